@@ -1,0 +1,18 @@
+"""The exceptions npllama raises on purpose. Each is a ValueError, so callers that catch
+bad input generically keep working, and each message says what was wrong and what to do."""
+
+
+class GGUFError(ValueError):
+    """A GGUF file is malformed, truncated, or uses something npllama does not support."""
+
+
+class PositionError(ValueError):
+    """An explicit position disagrees with the KV cache length."""
+
+
+class ContextOverflowError(ValueError):
+    """A position lies past the context the model (or the session) was built for."""
+
+
+class ModelFetchError(RuntimeError):
+    """The default model could not be fetched or verified."""

@@ -1,0 +1,456 @@
+"""Opening a GGUF model: a bounds-checked parse of the header, metadata and tensor table,
+zero-copy tensor views on a read-only memory map, and the validated llama-family `ModelConfig`.
+
+The file is parsed here rather than by `gguf.GGUFReader`, whose format constants it reuses.
+GGUFReader builds one numpy view per string, which makes opening a model with a 49k-token
+vocabulary take seconds, and on a corrupted length or count it loops or allocates without bound.
+This parser reads GGUF versions 2 and 3 (little-endian), checks every length and count against
+the bytes that remain before using it, and turns every problem into a `GGUFError` that names the
+file, so nothing malformed ever reaches a kernel.
+"""
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUFValueType as VT
+from gguf import GGMLQuantizationType as QT
+
+from .errors import GGUFError
+
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+SUPPORTED_QTYPES = frozenset({
+    QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
+    QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K,
+})
+_NEOX_ARCHS = frozenset({"qwen2"})  # rotate the two halves of each head, not adjacent pairs
+_FLOAT_DTYPES = {QT.F32: np.dtype("<f4"), QT.F16: np.dtype("<f2"), QT.BF16: np.dtype("<u2")}
+_SCALAR_FORMATS = {
+    VT.UINT8: "<B", VT.INT8: "<b", VT.UINT16: "<H", VT.INT16: "<h", VT.UINT32: "<I",
+    VT.INT32: "<i", VT.UINT64: "<Q", VT.INT64: "<q", VT.FLOAT32: "<f", VT.FLOAT64: "<d",
+    VT.BOOL: "<B",
+}
+_MAGIC = b"GGUF"
+_VERSIONS = (2, 3)
+_MAX_DIMS = 4
+_MIN_KV_BYTES = 8 + 4 + 1            # empty key, value type, one-byte value
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # empty name, n_dims, one dim, type, offset
+
+
+@dataclass(frozen=True, eq=False)
+class TensorInfo:
+    """One tensor of a GGUF file.
+
+    `shape` is the logical shape in numpy order: (rows, cols) = (out_features, in_features) for a
+    2-D weight, (n,) for a vector. `data` is a read-only zero-copy view on the memory map:
+    float32 / float16 with `shape` for F32 / F16; uint16 with `shape` (raw bfloat16 bits) for BF16;
+    uint8 of shape (*shape[:-1], row_bytes) for block-quantized types, each row holding
+    shape[-1] / block_size blocks. `offset` is the absolute byte offset of the data in the file.
+    """
+
+    name: str
+    qtype: QT
+    shape: tuple[int, ...]
+    data: np.ndarray
+    n_bytes: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The hyperparameters of a llama-family model, read from GGUF metadata and checked."""
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    n_vocab: int
+    n_ctx: int                       # training context length
+    rope_base: float
+    rope_dim: int
+    rope_scaling_type: str | None    # None, 'linear', 'yarn', ... as the file names it
+    rope_scaling_factor: float
+    rope_neox: bool                  # True: rotate halves (qwen2); False: adjacent pairs (llama)
+    rms_eps: float
+    tied_output: bool                # no output.weight: the output projection is token_embd
+    attn_bias: bool                  # q/k/v biases present (qwen2)
+    has_rope_freqs: bool             # rope_freqs.weight present (llama 3 rope scaling)
+
+
+class GGUFFile:
+    """A GGUF model file, memory-mapped read-only, parsed and validated on construction.
+
+    Attributes:
+        path: the file path as a string.
+        version: the GGUF format version (2 or 3).
+        metadata: key -> value, in file order. Scalars are int, float or bool, strings are str,
+            arrays of strings (tokenizer.ggml.tokens, .merges) are list[str], and arrays of
+            numbers or bools (tokenizer.ggml.scores, .token_type) are 1-D numpy arrays (copies).
+        tensors: name -> TensorInfo, in file order.
+        config: the validated ModelConfig.
+        alignment: the tensor data alignment in bytes.
+        data_offset: where the tensor data section starts; everything before it is header,
+            metadata and tensor table.
+        buffer: the whole file as a read-only uint8 array on the memory map; every tensor's
+            data is a view on it.
+
+    Raises GGUFError when the file is not a well-formed GGUF of a supported llama-family model
+    (and OSError when it cannot be opened at all). Only the header, metadata and tensor table
+    are read while opening; tensor data is paged in when first used.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = os.fspath(path)
+        with open(self.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 4 + 4 + 8 + 8:
+                raise GGUFError(f"{self.path}: file is truncated: {size} bytes is shorter than a GGUF header (24 bytes)")
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.buffer = np.frombuffer(mm, dtype=np.uint8)
+        parser = _Parser(self.path, mm, size)
+        self.version, self.metadata, infos = parser.parse()
+        self.alignment = _alignment(self.path, self.metadata)
+        self.data_offset = -(-parser.pos // self.alignment) * self.alignment
+        self.tensors = {info[0]: self._tensor(*info) for info in infos}
+        self.config = _model_config(self.path, self.metadata, self.tensors)
+        _check_tensors(self.path, self.config, self.tensors)
+        _check_tokenizer(self.path, self.config, self.metadata)
+
+    def tensor(self, name: str) -> TensorInfo:
+        """The tensor called `name`; GGUFError naming the file and the tensor if it is absent."""
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise GGUFError(f"{self.path}: has no tensor '{name}'") from None
+
+    def quant_mix(self) -> dict[str, tuple[int, int]]:
+        """Quant type name -> (number of tensors, bytes of data), largest byte count first."""
+        mix: dict[str, tuple[int, int]] = {}
+        for t in self.tensors.values():
+            count, n_bytes = mix.get(t.qtype.name, (0, 0))
+            mix[t.qtype.name] = (count + 1, n_bytes + t.n_bytes)
+        return dict(sorted(mix.items(), key=lambda kv: -kv[1][1]))
+
+    def __repr__(self) -> str:
+        return f"GGUFFile({self.path!r}, arch={self.config.arch!r}, {len(self.tensors)} tensors)"
+
+    def _tensor(self, name: str, qtype: QT, dims: tuple[int, ...], rel_offset: int) -> TensorInfo:
+        """Check one tensor-table entry against the file and build its zero-copy view."""
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        if dims[0] % block:
+            raise GGUFError(f"{self.path}: tensor '{name}' has {dims[0]} elements per row, which is not a "
+                            f"multiple of the {qtype.name} block size {block}; the size is inconsistent with the type")
+        if rel_offset % self.alignment:
+            raise GGUFError(f"{self.path}: tensor '{name}' data offset {rel_offset} is not a multiple of the "
+                            f"alignment {self.alignment}; the tensor table is corrupt")
+        row_bytes = dims[0] // block * type_size
+        n_bytes = row_bytes * math.prod(dims[1:])
+        start = self.data_offset + rel_offset
+        if start + n_bytes > self.buffer.size:
+            raise GGUFError(f"{self.path}: tensor '{name}' data [{start}, {start + n_bytes}) lies outside the file "
+                            f"({self.buffer.size} bytes): the file is truncated or the tensor offset is corrupt")
+        shape = tuple(reversed(dims))
+        raw = self.buffer[start:start + n_bytes]
+        if qtype in _FLOAT_DTYPES:
+            data = raw.view(_FLOAT_DTYPES[qtype]).reshape(shape)
+        else:
+            data = raw.reshape(shape[:-1] + (row_bytes,))
+        return TensorInfo(name, qtype, shape, data, n_bytes, start)
+
+
+class _Parser:
+    """Reads the header, metadata and tensor table, checking each length against what remains."""
+
+    def __init__(self, path: str, buf: mmap.mmap, size: int):
+        self.path, self.buf, self.size, self.pos = path, buf, size, 0
+
+    def parse(self) -> tuple[int, dict, list[tuple[str, QT, tuple[int, ...], int]]]:
+        """(version, metadata, [(name, qtype, dims in GGUF order, offset in data section)])."""
+        magic = self.buf[:4]
+        if magic != _MAGIC:
+            raise GGUFError(f"{self.path}: not a GGUF file (magic {magic!r}, expected {_MAGIC!r})")
+        self.pos = 4
+        version = self.scalar("<I", "version")
+        if version not in _VERSIONS:
+            if version & 0xFFFF == 0 and version >> 24 in _VERSIONS:
+                raise GGUFError(f"{self.path}: big-endian GGUF files are not supported; convert it little-endian")
+            raise GGUFError(f"{self.path}: unsupported GGUF version {version} (npllama reads versions 2 and 3)")
+        n_tensors = self.scalar("<Q", "tensor count")
+        n_kv = self.scalar("<Q", "metadata count")
+        if n_kv * _MIN_KV_BYTES > self.size - self.pos:
+            raise GGUFError(f"{self.path}: file is truncated or corrupt: header claims {n_kv} metadata entries, "
+                            f"more than the remaining {self.size - self.pos} bytes can hold")
+        metadata: dict = {}
+        for i in range(n_kv):
+            key = self.string(f"metadata key #{i}")
+            if key in metadata:
+                raise GGUFError(f"{self.path}: duplicate metadata key '{key}'")
+            metadata[key] = self.value(self.scalar("<I", f"value type of '{key}'"), key)
+        if n_tensors * _MIN_TENSOR_INFO_BYTES > self.size - self.pos:
+            raise GGUFError(f"{self.path}: file is truncated or corrupt: header claims {n_tensors} tensors, "
+                            f"more than the remaining {self.size - self.pos} bytes can hold")
+        infos = []
+        names = set()
+        for i in range(n_tensors):
+            name = self.string(f"tensor name #{i}")
+            if name in names:
+                raise GGUFError(f"{self.path}: duplicate tensor '{name}'")
+            names.add(name)
+            infos.append(self.tensor_info(name))
+        return version, metadata, infos
+
+    def need(self, n: int, what: str) -> None:
+        """GGUFError unless `n` more bytes remain at the current position."""
+        if n > self.size - self.pos:
+            raise GGUFError(f"{self.path}: file is truncated or corrupt: {what} at byte {self.pos} needs {n} bytes "
+                            f"but only {self.size - self.pos} remain")
+
+    def scalar(self, fmt: str, what: str):
+        """Read one little-endian struct scalar."""
+        n = struct.calcsize(fmt)
+        self.need(n, what)
+        (v,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += n
+        return v
+
+    def string(self, what: str) -> str:
+        """Read a u64-length-prefixed UTF-8 string."""
+        n = self.scalar("<Q", what)
+        self.need(n, what)
+        start, self.pos = self.pos, self.pos + n
+        try:
+            return self.buf[start:self.pos].decode("utf-8")
+        except UnicodeDecodeError:
+            raise GGUFError(f"{self.path}: {what} at byte {start} is not valid UTF-8") from None
+
+    def value(self, vtype: int, key: str):
+        """Read a metadata value of GGUF value type `vtype` (see GGUFFile.metadata for the types)."""
+        if vtype == VT.STRING:
+            return self.string(f"value of '{key}'")
+        if vtype in _SCALAR_FORMATS:
+            v = self.scalar(_SCALAR_FORMATS[vtype], f"value of '{key}'")
+            return bool(v) if vtype == VT.BOOL else v
+        if vtype != VT.ARRAY:
+            raise GGUFError(f"{self.path}: metadata key '{key}' has unknown value type {vtype}")
+        itype = self.scalar("<I", f"array type of '{key}'")
+        count = self.scalar("<Q", f"array length of '{key}'")
+        if itype == VT.STRING:
+            return self.string_array(count, key)
+        if itype not in _SCALAR_FORMATS:
+            raise GGUFError(f"{self.path}: metadata key '{key}' is an array of unsupported type {itype}")
+        dtype = np.dtype(_SCALAR_FORMATS[itype])
+        self.need(count * dtype.itemsize, f"array of {count} values of '{key}'")
+        arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).copy()
+        self.pos += count * dtype.itemsize
+        return arr.astype(bool) if itype == VT.BOOL else arr
+
+    def string_array(self, count: int, key: str) -> list[str]:
+        """Read `count` strings; the hot loop of opening a model (its vocabulary and merges)."""
+        self.need(count * 8, f"array of {count} strings of '{key}'")
+        buf, size, pos, unpack = self.buf, self.size, self.pos, struct.Struct("<Q").unpack_from
+        out = []
+        try:
+            for _ in range(count):
+                if pos + 8 > size:
+                    break
+                start = pos + 8
+                pos = start + unpack(buf, pos)[0]
+                if pos > size:
+                    break
+                out.append(buf[start:pos].decode("utf-8"))
+        except UnicodeDecodeError:
+            raise GGUFError(f"{self.path}: string #{len(out)} of '{key}' is not valid UTF-8") from None
+        if len(out) < count:
+            raise GGUFError(f"{self.path}: file is truncated or corrupt: string #{len(out)} of '{key}' "
+                            f"runs past the end of the file")
+        self.pos = pos
+        return out
+
+    def tensor_info(self, name: str) -> tuple[str, QT, tuple[int, ...], int]:
+        """Read the rest of one tensor-table entry after its name."""
+        n_dims = self.scalar("<I", f"dimension count of tensor '{name}'")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise GGUFError(f"{self.path}: tensor '{name}' has {n_dims} dimensions (expected 1 to {_MAX_DIMS})")
+        dims = tuple(self.scalar("<Q", f"dimensions of tensor '{name}'") for _ in range(n_dims))
+        if 0 in dims:
+            raise GGUFError(f"{self.path}: tensor '{name}' has a zero-size dimension: {dims}")
+        type_id = self.scalar("<I", f"type of tensor '{name}'")
+        try:
+            qtype = QT(type_id)
+        except ValueError:
+            raise GGUFError(f"{self.path}: tensor '{name}' has unknown type id {type_id}") from None
+        if qtype not in SUPPORTED_QTYPES:
+            supported = ", ".join(sorted(q.name for q in SUPPORTED_QTYPES))
+            raise GGUFError(f"{self.path}: tensor '{name}' has quant type {qtype.name}, which npllama does not "
+                            f"support (supported: {supported}); use a GGUF quantized to one of those")
+        offset = self.scalar("<Q", f"data offset of tensor '{name}'")
+        return name, qtype, dims, offset
+
+
+def _alignment(path: str, metadata: dict) -> int:
+    """The tensor data alignment: general.alignment (a power of two) or the GGUF default."""
+    align = metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
+    if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align & (align - 1):
+        raise GGUFError(f"{path}: general.alignment is {align!r}; it must be a positive power of two")
+    return align
+
+
+_REQUIRED = object()
+
+
+def _key(path: str, metadata: dict, key: str, kind: type, default=_REQUIRED):
+    """metadata[key] checked to be `kind` (int, float or str); `default` if absent, else GGUFError."""
+    value = metadata.get(key, _REQUIRED)
+    if value is _REQUIRED:
+        if default is _REQUIRED:
+            raise GGUFError(f"{path}: missing required metadata key '{key}'")
+        return default
+    accepted = (int, float) if kind is float else kind
+    if not isinstance(value, accepted) or isinstance(value, bool):
+        raise GGUFError(f"{path}: metadata key '{key}' should be {kind.__name__} but is {type(value).__name__}")
+    if kind is float:
+        value = float(value)
+        if not math.isfinite(value):
+            raise GGUFError(f"{path}: metadata key '{key}' is {value}; it must be finite")
+    return value
+
+
+def _model_config(path: str, metadata: dict, tensors: dict[str, TensorInfo]) -> ModelConfig:
+    """Read and check the hyperparameters of a supported architecture."""
+    arch = _key(path, metadata, "general.architecture", str)
+    if arch not in SUPPORTED_ARCHS:
+        raise GGUFError(f"{path}: architecture '{arch}' is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
+
+    def positive(suffix: str, default=_REQUIRED) -> int:
+        value = _key(path, metadata, f"{arch}.{suffix}", int, default)
+        if value <= 0:
+            raise GGUFError(f"{path}: metadata key '{arch}.{suffix}' is {value}; it must be positive")
+        return value
+
+    n_layer = positive("block_count")
+    n_embd = positive("embedding_length")
+    n_head = positive("attention.head_count")
+    n_head_kv = positive("attention.head_count_kv", n_head)
+    if n_head % n_head_kv:
+        raise GGUFError(f"{path}: n_head ({n_head}) is not divisible by n_head_kv ({n_head_kv})")
+    if f"{arch}.attention.key_length" not in metadata and n_embd % n_head:
+        raise GGUFError(f"{path}: n_embd ({n_embd}) is not divisible by n_head ({n_head}) "
+                        f"and there is no '{arch}.attention.key_length'")
+    head_dim = positive("attention.key_length", n_embd // n_head)
+    rope_dim = positive("rope.dimension_count", head_dim)
+    if rope_dim > head_dim or rope_dim % 2:
+        raise GGUFError(f"{path}: rope dimension count {rope_dim} must be even and at most head_dim ({head_dim})")
+    if "token_embd.weight" not in tensors:
+        raise GGUFError(f"{path}: missing required tensor 'token_embd.weight'")
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    default_vocab = len(tokens) if isinstance(tokens, list) else tensors["token_embd.weight"].shape[0]
+
+    rope_base = _key(path, metadata, f"{arch}.rope.freq_base", float, 10000.0)
+    rms_eps = _key(path, metadata, f"{arch}.attention.layer_norm_rms_epsilon", float)
+    for key, value in (("rope.freq_base", rope_base), ("attention.layer_norm_rms_epsilon", rms_eps)):
+        if value <= 0:
+            raise GGUFError(f"{path}: metadata key '{arch}.{key}' is {value}; it must be positive")
+    scaling_type = _key(path, metadata, f"{arch}.rope.scaling.type", str, None)
+    scaling_factor = _key(path, metadata, f"{arch}.rope.scaling.factor", float, 0.0)
+    linear_scale = _key(path, metadata, f"{arch}.rope.scale_linear", float, 0.0)  # older files
+    if linear_scale and scaling_type is None:
+        scaling_type, scaling_factor = "linear", linear_scale
+    if scaling_factor < 0:
+        raise GGUFError(f"{path}: rope scaling factor {scaling_factor} is negative")
+
+    return ModelConfig(
+        arch=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
+        n_ff=positive("feed_forward_length"), n_vocab=positive("vocab_size", default_vocab),
+        n_ctx=positive("context_length"), rope_base=rope_base, rope_dim=rope_dim,
+        rope_scaling_type=None if scaling_type == "none" else scaling_type,
+        rope_scaling_factor=scaling_factor or 1.0,  # llama.cpp reads 0 as "no scaling"
+        rope_neox=arch in _NEOX_ARCHS, rms_eps=rms_eps,
+        tied_output="output.weight" not in tensors,
+        attn_bias="blk.0.attn_q.bias" in tensors, has_rope_freqs="rope_freqs.weight" in tensors,
+    )
+
+
+def _check_tensors(path: str, cfg: ModelConfig, tensors: dict[str, TensorInfo]) -> None:
+    """GGUFError for a missing required tensor or one whose shape disagrees with the config."""
+    q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+    heads = f"n_head={cfg.n_head}, head_dim={cfg.head_dim}, n_embd={cfg.n_embd}"
+    kv_heads = f"n_head_kv={cfg.n_head_kv}, head_dim={cfg.head_dim}, n_embd={cfg.n_embd}"
+    ffn = f"n_ff={cfg.n_ff}, n_embd={cfg.n_embd}"
+    per_layer = {
+        "attn_norm.weight": ((cfg.n_embd,), f"n_embd={cfg.n_embd}"),
+        "attn_q.weight": ((q_dim, cfg.n_embd), heads),
+        "attn_k.weight": ((kv_dim, cfg.n_embd), kv_heads),
+        "attn_v.weight": ((kv_dim, cfg.n_embd), kv_heads),
+        "attn_output.weight": ((cfg.n_embd, q_dim), heads),
+        "ffn_norm.weight": ((cfg.n_embd,), f"n_embd={cfg.n_embd}"),
+        "ffn_gate.weight": ((cfg.n_ff, cfg.n_embd), ffn),
+        "ffn_up.weight": ((cfg.n_ff, cfg.n_embd), ffn),
+        "ffn_down.weight": ((cfg.n_embd, cfg.n_ff), ffn),
+    }
+    if cfg.attn_bias:
+        per_layer["attn_q.bias"] = ((q_dim,), f"n_head={cfg.n_head}, head_dim={cfg.head_dim}")
+        per_layer["attn_k.bias"] = ((kv_dim,), f"n_head_kv={cfg.n_head_kv}, head_dim={cfg.head_dim}")
+        per_layer["attn_v.bias"] = ((kv_dim,), f"n_head_kv={cfg.n_head_kv}, head_dim={cfg.head_dim}")
+    vocab = f"n_vocab={cfg.n_vocab}, n_embd={cfg.n_embd}"
+    expected = {
+        "token_embd.weight": ((cfg.n_vocab, cfg.n_embd), vocab),
+        "output_norm.weight": ((cfg.n_embd,), f"n_embd={cfg.n_embd}"),
+    }
+    optional = {
+        "output.weight": ((cfg.n_vocab, cfg.n_embd), vocab),
+        "rope_freqs.weight": ((cfg.rope_dim // 2,), f"rope_dim={cfg.rope_dim}"),
+    }
+    for name, (shape, why) in expected.items():
+        _check_shape(path, tensors, name, shape, why, required=True)
+    for name, (shape, why) in optional.items():
+        _check_shape(path, tensors, name, shape, why, required=False)
+    for i in range(cfg.n_layer):  # stops at the first missing tensor, so a huge n_layer cannot hang
+        for suffix, (shape, why) in per_layer.items():
+            _check_shape(path, tensors, f"blk.{i}.{suffix}", shape, why, required=True)
+    if not cfg.attn_bias and any(name.endswith((".attn_k.bias", ".attn_q.bias", ".attn_v.bias")) for name in tensors):
+        raise GGUFError(f"{path}: some layers have attention biases but layer 0 has no "
+                        f"'blk.0.attn_q.bias'; biases must be in every layer or none")
+
+
+def _check_shape(path: str, tensors: dict[str, TensorInfo], name: str, shape: tuple[int, ...],
+                 why: str, required: bool) -> None:
+    """GGUFError if tensor `name` is missing (when required), not `shape`, or a quantized vector."""
+    t = tensors.get(name)
+    if t is None:
+        if required:
+            raise GGUFError(f"{path}: missing required tensor '{name}'")
+        return
+    if t.shape != shape:
+        raise GGUFError(f"{path}: tensor '{name}' has shape {t.shape} but the config ({why}) needs {shape}")
+    if len(shape) == 1 and t.qtype not in _FLOAT_DTYPES:
+        raise GGUFError(f"{path}: tensor '{name}' is a vector of quant type {t.qtype.name}; "
+                        f"norm, bias and rope tensors must be F32, F16 or BF16")
+
+
+def _check_tokenizer(path: str, cfg: ModelConfig, metadata: dict) -> None:
+    """GGUFError if the tokenizer arrays disagree with each other or name ids past the vocabulary."""
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        return
+    if not isinstance(tokens, list):
+        raise GGUFError(f"{path}: tokenizer.ggml.tokens should be an array of strings")
+    if len(tokens) > cfg.n_vocab:
+        raise GGUFError(f"{path}: the tokenizer has {len(tokens)} tokens but the model only {cfg.n_vocab} (n_vocab)")
+    for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+        arr = metadata.get(key)
+        if arr is not None and not (isinstance(arr, np.ndarray) and arr.shape == (len(tokens),)):
+            raise GGUFError(f"{path}: {key} should be a numeric array of {len(tokens)} entries, one per token")
+    merges = metadata.get("tokenizer.ggml.merges")
+    if merges is not None and not isinstance(merges, list):
+        raise GGUFError(f"{path}: tokenizer.ggml.merges should be an array of strings")
+    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+        token_id = _key(path, metadata, key, int, None)
+        if token_id is not None and not 0 <= token_id < cfg.n_vocab:
+            raise GGUFError(f"{path}: {key} is {token_id}, outside the vocabulary (n_vocab={cfg.n_vocab})")
