@@ -1,0 +1,302 @@
+"""Causal multi-head attention over the interleaved KV cache, with an online softmax.
+
+The kernels read keys and values straight from a KV-cache layer buffer,
+
+    kv: (capacity, n_kv_heads, 2, head_dim)   [:, :, 0, :] = K, [:, :, 1, :] = V
+
+without copying it and without repeating KV heads: query head h reads KV head
+h // (n_heads // n_kv_heads) (grouped-query attention). Keys are processed in blocks with a
+running maximum, running sum and running output per query head (flash attention), so the
+(queries x keys) score matrix never exists; everything accumulates in float32.
+
+Two kernels share the block routine:
+  * decode (one query): the key range is split into chunks, (KV head, chunk) pairs run in
+    parallel, each handling all query heads of its group so every K/V row is read once, and
+    the partial results are merged at the end (split-K, "flash decoding");
+  * prefill (several queries): (block of _ROWS queries, KV head) pairs run in parallel over
+    the keys their queries see, sharing every K/V row read among the block's queries.
+
+Query i sits at absolute position p = offset + i and sees the keys at positions t with
+t <= p (and t > p - window when window > 0), t < kv_len. A key is scored as
+
+    x = scale * q.k;  x = softcap * tanh(x / softcap) if softcap > 0;
+    x += slope[h] * (t - p) with ALiBi;  x += mask[i, t] with a mask,
+
+and a mask entry at or below -1e30 (including -inf) removes the key. A query that sees no
+key at all (a fully masked row, say) gets a zero output, never NaN.
+"""
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+# No 'nnan' / 'ninf': the kernels rely on -inf for removed keys and empty running maxima.
+_FASTMATH = {"reassoc", "contract", "nsz", "arcp", "afn"}
+_BLOCK = 32            # keys scored together before the running state is rescaled
+_ROWS = 4              # queries one prefill task handles together, sharing each K/V row read
+_MIN_CHUNK = 128       # fewest keys one decode task handles
+_TASKS_PER_THREAD = 4  # decode tasks wanted per thread, for load balance
+MASKED = -1e30         # mask entries at or below this remove the key
+_NO_MASK = np.zeros((0, 0), dtype=np.float32)  # stand-ins for absent options, typed like the real ones
+_NO_ALIBI = np.zeros(0, dtype=np.float32)
+
+
+@njit(fastmath=_FASTMATH, cache=True)
+def _accumulate(q, kv, i0, pos0, g, t0, t1, window, scale, softcap, mask, use_mask, alibi, use_alibi,
+                m, l, acc, s):
+    """Fold keys t0..t1-1 of KV head g into the running state of query rows i0..i0+R-1.
+
+    q: (S, H, D); kv: (cap, KVH, 2, D); row i0 + r sits at position pos0 + r and handles
+    query heads g*G .. g*G+G-1. m, l: (R, G) running max / sum; acc: (R, G, D) running
+    unnormalised output; s: (R, G, _BLOCK) scratch. Keys a row may not see are skipped, so
+    t0..t1 may span the union of the rows' ranges.
+    """
+    R, G = m.shape
+    D = q.shape[2]
+    h0 = g * G
+    neg_inf = np.float32(-np.inf)
+    for b0 in range(t0, t1, _BLOCK):
+        n = min(_BLOCK, t1 - b0)
+        # scores: each K row is read once for all R x G query vectors
+        for j in range(n):
+            t = b0 + j
+            for r in range(R):
+                i = i0 + r
+                qpos = pos0 + r
+                hidden = (t > qpos or (window > 0 and t <= qpos - window)
+                          or (use_mask and mask[i, t] <= MASKED))
+                for gh in range(G):
+                    if hidden:
+                        s[r, gh, j] = neg_inf
+                        continue
+                    h = h0 + gh
+                    dot = np.float32(0.0)
+                    for d in range(D):
+                        dot += q[i, h, d] * kv[t, g, 0, d]
+                    x = dot * scale
+                    if softcap > 0:
+                        x = softcap * np.tanh(x / softcap)
+                    if use_alibi:
+                        x += alibi[h] * np.float32(t - qpos)
+                    if use_mask:
+                        x += mask[i, t]
+                    s[r, gh, j] = x
+        # rescale the running state and turn scores into weights
+        for r in range(R):
+            for gh in range(G):
+                bmax = neg_inf
+                for j in range(n):
+                    bmax = max(bmax, s[r, gh, j])
+                if bmax == neg_inf:  # this row sees no key of the block
+                    for j in range(n):
+                        s[r, gh, j] = 0.0
+                    continue
+                m_new = max(m[r, gh], bmax)
+                corr = np.exp(m[r, gh] - m_new)
+                l[r, gh] *= corr
+                for d in range(D):
+                    acc[r, gh, d] *= corr
+                total = np.float32(0.0)
+                for j in range(n):
+                    p = np.exp(s[r, gh, j] - m_new)
+                    s[r, gh, j] = p
+                    total += p
+                l[r, gh] += total
+                m[r, gh] = m_new
+        # weighted values: each V row is read once for all R x G query vectors
+        for j in range(n):
+            t = b0 + j
+            for r in range(R):
+                for gh in range(G):
+                    p = s[r, gh, j]
+                    if p == 0:
+                        continue
+                    for d in range(D):
+                        acc[r, gh, d] += p * kv[t, g, 1, d]
+
+
+@njit(parallel=True, fastmath=_FASTMATH, cache=True)
+def _decode_kernel(q, kv, t0, t1, qpos, window, chunk, scale, softcap, mask, use_mask, alibi, use_alibi,
+                   out):
+    """One query (S == 1) over keys t0..t1-1, split into chunks of `chunk` keys.
+
+    q, out: (1, H, D); kv: (cap, KVH, 2, D); mask: (1, kv_len) or (0, 0); alibi: (H,) or (0,).
+    """
+    H = q.shape[1]
+    D = q.shape[2]
+    KVH = kv.shape[1]
+    G = H // KVH
+    n_chunks = max(1, (t1 - t0 + chunk - 1) // chunk)
+    # running state per (KV head, chunk), with the single query row as axis 2
+    part_m = np.full((KVH, n_chunks, 1, G), -np.inf, dtype=np.float32)
+    part_l = np.zeros((KVH, n_chunks, 1, G), dtype=np.float32)
+    part_acc = np.zeros((KVH, n_chunks, 1, G, D), dtype=np.float32)
+    for task in prange(KVH * n_chunks):
+        g = task // n_chunks
+        c = task % n_chunks
+        s = np.empty((1, G, _BLOCK), dtype=np.float32)
+        lo = t0 + c * chunk
+        hi = min(t1, lo + chunk)
+        _accumulate(q, kv, 0, qpos, g, lo, hi, window, scale, softcap, mask, use_mask, alibi, use_alibi,
+                    part_m[g, c], part_l[g, c], part_acc[g, c], s)
+    # merge the chunks of each head
+    for h in prange(H):
+        g = h // G
+        gh = h % G
+        top = np.float32(-np.inf)
+        for c in range(n_chunks):
+            top = max(top, part_m[g, c, 0, gh])
+        for d in range(D):
+            out[0, h, d] = 0.0
+        if top == -np.inf:
+            continue
+        total = np.float32(0.0)
+        for c in range(n_chunks):
+            w = np.exp(part_m[g, c, 0, gh] - top)
+            total += w * part_l[g, c, 0, gh]
+            for d in range(D):
+                out[0, h, d] += w * part_acc[g, c, 0, gh, d]
+        inv = np.float32(1.0) / total
+        for d in range(D):
+            out[0, h, d] *= inv
+
+
+@njit(parallel=True, fastmath=_FASTMATH, cache=True)
+def _prefill_kernel(q, kv, kv_len, offset, window, scale, softcap, mask, use_mask, alibi, use_alibi, out):
+    """S queries at positions offset..offset+S-1; one task per (block of _ROWS queries, KV head).
+
+    q, out: (S, H, D); kv: (cap, KVH, 2, D); mask: (S, kv_len) or (0, 0); alibi: (H,) or (0,).
+    """
+    S = q.shape[0]
+    H = q.shape[1]
+    D = q.shape[2]
+    KVH = kv.shape[1]
+    G = H // KVH
+    n_blocks = (S + _ROWS - 1) // _ROWS
+    for task in prange(n_blocks * KVH):
+        g = task // n_blocks
+        k = task % n_blocks
+        # fold the block order (0, last, 1, last-1, ...) so that the contiguous task ranges
+        # of the static schedule mix short and long causal rows
+        blk = k >> 1 if k & 1 == 0 else n_blocks - 1 - (k >> 1)
+        i0 = blk * _ROWS
+        R = min(_ROWS, S - i0)
+        pos0 = offset + i0
+        t0 = max(0, pos0 - window + 1) if window > 0 else 0
+        t1 = min(pos0 + R, kv_len)
+        m = np.full((R, G), -np.inf, dtype=np.float32)
+        l = np.zeros((R, G), dtype=np.float32)
+        acc = np.zeros((R, G, D), dtype=np.float32)
+        s = np.empty((R, G, _BLOCK), dtype=np.float32)
+        _accumulate(q, kv, i0, pos0, g, t0, t1, window, scale, softcap, mask, use_mask, alibi, use_alibi,
+                    m, l, acc, s)
+        for r in range(R):
+            for gh in range(G):
+                inv = np.float32(1.0) / l[r, gh] if l[r, gh] > 0 else np.float32(0.0)
+                for d in range(D):
+                    out[i0 + r, g * G + gh, d] = acc[r, gh, d] * inv
+
+
+def _float_array(name: str, a, ndim: int) -> np.ndarray:
+    a = np.asarray(a)
+    if a.ndim != ndim:
+        raise ValueError(f"attend: {name} must be {ndim}-D, got shape {a.shape}")
+    if not np.issubdtype(a.dtype, np.floating):
+        raise ValueError(f"attend: {name} must be a float array, got dtype {a.dtype}")
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def attend(q: np.ndarray, kv: np.ndarray, kv_len: int, *, offset: int | None = None,
+           mask: np.ndarray | None = None, softcap: float = 0.0, alibi: np.ndarray | None = None,
+           window: int = 0, scale: float | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """Causal attention of S queries over the first kv_len positions of an interleaved KV buffer.
+
+    Args:
+        q: (S, H, D) queries, any float dtype and strides (copied to contiguous float32).
+        kv: (capacity, KVH, 2, D) C-contiguous float32 layer buffer, K at [:, :, 0], V at
+            [:, :, 1] (e.g. `KVCache.buffer(layer)`); read in place, never copied.
+        kv_len: number of valid positions in kv, 0 <= kv_len <= capacity.
+        offset: absolute position of the first query; defaults to kv_len - S (the queries are
+            the last S cached positions). Query i sees keys t <= offset + i, t < kv_len.
+        mask: optional (S, kv_len) additive float mask; entries <= -1e30 (or -inf) remove keys.
+        softcap: when > 0, scores become softcap * tanh(score / softcap) (before ALiBi and mask).
+        alibi: optional (H,) slopes; head h adds slope[h] * (key_pos - query_pos).
+        window: when > 0, query at position p sees only keys in (p - window, p].
+        scale: score scale, default 1 / sqrt(D).
+        out: optional C-contiguous float32 (S, H, D) array to write into.
+
+    Returns:
+        (S, H, D) float32 output (`out` when given). Rows that see no key are zero.
+    """
+    q = _float_array("q", q, 3)
+    S, H, D = q.shape
+    if not isinstance(kv, np.ndarray) or kv.ndim != 4 or kv.shape[2] != 2:
+        raise ValueError(f"attend: kv must be a (capacity, KVH, 2, D) array, got "
+                         f"{getattr(kv, 'shape', type(kv).__name__)}")
+    if kv.dtype != np.float32 or not kv.flags.c_contiguous:
+        raise ValueError(f"attend: kv must be C-contiguous float32, got dtype {kv.dtype}, "
+                         f"contiguous={kv.flags.c_contiguous}")
+    cap, KVH, _, kv_d = kv.shape
+    if kv_d != D:
+        raise ValueError(f"attend: head_dim differs: q has D={D}, kv has D={kv_d}")
+    if KVH == 0 or H % KVH:
+        raise ValueError(f"attend: the number of query heads H={H} must be a multiple of the "
+                         f"number of KV heads KVH={KVH}")
+    kv_len = int(kv_len)
+    if not 0 <= kv_len <= cap:
+        raise ValueError(f"attend: kv_len must be in [0, capacity={cap}], got {kv_len}")
+    offset = kv_len - S if offset is None else int(offset)
+    if offset < 0:
+        raise ValueError(f"attend: offset must be >= 0, got {offset} (S={S}, kv_len={kv_len}; "
+                         f"by default offset = kv_len - S)")
+    if isinstance(window, (bool, np.bool_)) or not isinstance(window, (int, np.integer)) or window < 0:
+        raise ValueError(f"attend: window must be an integer >= 0, got {window!r}")
+    window = int(window)
+    if mask is None:
+        mask_arr = _NO_MASK
+    else:
+        mask_arr = _float_array("mask", mask, 2)
+        if mask_arr.shape != (S, kv_len):
+            raise ValueError(f"attend: mask must have shape (S, kv_len)=({S}, {kv_len}), got {mask_arr.shape}")
+    if alibi is None:
+        alibi_arr = _NO_ALIBI
+    else:
+        alibi_arr = _float_array("alibi", alibi, 1)
+        if alibi_arr.shape != (H,):
+            raise ValueError(f"attend: alibi must have shape (H,)=({H},), got {alibi_arr.shape}")
+    if out is None:
+        out = np.empty((S, H, D), dtype=np.float32)
+    elif (not isinstance(out, np.ndarray) or out.shape != (S, H, D) or out.dtype != np.float32
+          or not out.flags.c_contiguous):
+        raise ValueError(f"attend: out must be a C-contiguous float32 ({S}, {H}, {D}) array, got "
+                         f"{getattr(out, 'shape', None)} {getattr(out, 'dtype', type(out).__name__)}")
+    scale = np.float32(1.0 / math.sqrt(D) if scale is None else scale)
+    softcap = np.float32(softcap)
+    args = (scale, softcap, mask_arr, mask is not None, alibi_arr, alibi is not None, out)
+    if S == 1:
+        t1 = min(offset + 1, kv_len)
+        t0 = max(0, offset - window + 1) if window > 0 else 0
+        wanted = -(-_TASKS_PER_THREAD * numba.get_num_threads() // KVH)
+        n_chunks = max(1, min(wanted, (t1 - t0) // _MIN_CHUNK))
+        chunk = max(1, -(-(t1 - t0) // n_chunks))
+        _decode_kernel(q, kv, t0, t1, offset, window, chunk, *args)
+    elif S > 0:
+        _prefill_kernel(q, kv, kv_len, offset, window, *args)
+    return out
+
+
+def attend_kv(q: np.ndarray, k: np.ndarray, v: np.ndarray, **options) -> np.ndarray:
+    """`attend` over separate keys and values, each (KV, KVH, D); builds an interleaved copy.
+
+    Convenient for tests and one-off calls; the inference path should pass the cache buffer
+    to `attend` directly. `options` are those of `attend`; kv_len is KV.
+    """
+    k = _float_array("k", k, 3)
+    v = _float_array("v", v, 3)
+    if k.shape != v.shape:
+        raise ValueError(f"attend_kv: k and v shapes differ: k {k.shape}, v {v.shape}")
+    kv = np.stack((k, v), axis=2)  # (KV, KVH, 2, D)
+    return attend(q, kv, k.shape[0], **options)

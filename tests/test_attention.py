@@ -1,0 +1,168 @@
+import numpy as np
+import pytest
+
+from npllama.attention import attend, attend_kv
+from npllama.kvcache import KVCache
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def reference(q, k, v, *, offset=None, mask=None, softcap=0.0, alibi=None, window=0, scale=None):
+    """Naive float64 attention: repeat KV heads, matmul, mask, softmax, matmul.
+
+    q: (S, H, D); k, v: (KV, KVH, D) -> (S, H, D). Rows with no visible key are zero.
+    """
+    S, H, D = q.shape
+    KV, KVH, _ = k.shape
+    offset = KV - S if offset is None else offset
+    scale = 1 / np.sqrt(D) if scale is None else scale
+    k = np.repeat(k.astype(np.float64), H // KVH, axis=1)  # (KV, H, D)
+    v = np.repeat(v.astype(np.float64), H // KVH, axis=1)
+    scores = np.einsum("shd,thd->hst", q.astype(np.float64), k) * scale  # (H, S, KV)
+    if softcap > 0:
+        scores = softcap * np.tanh(scores / softcap)
+    qpos = offset + np.arange(S)[:, None]  # (S, 1)
+    kpos = np.arange(KV)[None, :]  # (1, KV)
+    if alibi is not None:
+        scores = scores + np.asarray(alibi, np.float64)[:, None, None] * (kpos - qpos)
+    visible = kpos <= qpos
+    if window > 0:
+        visible &= kpos > qpos - window
+    if mask is not None:
+        scores = scores + mask
+        visible &= mask > -1e30
+    scores = np.where(visible, scores, -np.inf)
+    top = scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores - np.where(np.isfinite(top), top, 0.0))
+    total = p.sum(axis=-1, keepdims=True)
+    p = np.divide(p, total, out=np.zeros_like(p), where=total > 0)
+    return np.einsum("hst,thd->shd", p, v)
+
+
+def make(S, KV, H, KVH, D, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((S, H, D), dtype=np.float32),
+            rng.standard_normal((KV, KVH, D), dtype=np.float32),
+            rng.standard_normal((KV, KVH, D), dtype=np.float32))
+
+
+def check(q, k, v, **options):
+    got = attend_kv(q, k, v, **options)
+    assert got.shape == q.shape and got.dtype == np.float32
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, reference(q, k, v, **options), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("S, KV", [(1, 1), (1, 7), (1, 300), (1, 4096), (4, 4096), (5, 12), (12, 12), (33, 70)])
+@pytest.mark.parametrize("H, KVH, D", [(9, 3, 64), (8, 8, 40)])
+def test_matches_reference(S, KV, H, KVH, D):
+    check(*make(S, KV, H, KVH, D))
+
+
+def test_explicit_offset():
+    q, k, v = make(3, 20, 9, 3, 64)
+    check(q, k, v, offset=4)  # the keys past each query are ignored
+    check(q[:1], k, v, offset=10)
+
+
+def test_reads_cache_buffer_in_place():
+    q, k, v = make(5, 12, 9, 3, 64)
+    cache = KVCache(1, 3, 64)
+    cache.append(0, k, v)
+    assert cache.capacity == 16  # rows past kv_len hold garbage and must be ignored
+    cache.buffer(0)[12:] = np.nan
+    got = attend(q, cache.buffer(0), cache.length)
+    np.testing.assert_allclose(got, reference(q, k, v), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("S", [1, 6])
+def test_non_contiguous_queries(S):
+    _, k, v = make(S, 40, 9, 3, 40)
+    x = np.random.default_rng(1).standard_normal((40, 9, 2 * S), dtype=np.float32)
+    q = x[:, :, ::2].transpose(2, 1, 0)  # (S, 9, 40), odd strides
+    assert not q.flags.c_contiguous
+    check(q, k, v)
+
+
+def test_out_argument():
+    q, k, v = make(2, 9, 8, 8, 40)
+    out = np.full(q.shape, 7.0, np.float32)
+    assert attend_kv(q, k, v, out=out) is out
+    np.testing.assert_allclose(out, reference(q, k, v), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("S", [1, 4])
+def test_mask_with_fully_masked_row(S):
+    q, k, v = make(S, 30, 9, 3, 64)
+    rng = np.random.default_rng(2)
+    mask = rng.standard_normal((S, 30)).astype(np.float32)
+    mask[:, ::3] = -np.inf
+    mask[:, 1::7] = -1e30
+    mask[0] = -np.inf  # row 0 sees nothing
+    got = attend_kv(q, k, v, mask=mask)
+    assert not np.isnan(got).any()
+    np.testing.assert_array_equal(got[0], 0.0)
+    np.testing.assert_allclose(got, reference(q, k, v, mask=mask), rtol=RTOL, atol=ATOL)
+    mask[0] = -1e30  # a finite fill counts as masked too
+    np.testing.assert_array_equal(attend_kv(q, k, v, mask=mask)[0], 0.0)
+
+
+def test_mask_hiding_whole_decode_chunks():
+    q, k, v = make(1, 1000, 9, 3, 64)
+    mask = np.zeros((1, 1000), np.float32)
+    mask[0, :700] = -np.inf  # the first decode chunks see nothing, the last ones do
+    check(q, k, v, mask=mask)
+
+
+@pytest.mark.parametrize("S", [1, 5])
+def test_softcap(S):
+    q, k, v = make(S, 50, 9, 3, 64)
+    check(3 * q, k, v, softcap=2.5)
+
+
+@pytest.mark.parametrize("S", [1, 5])
+def test_alibi(S):
+    q, k, v = make(S, 50, 8, 8, 40)
+    slopes = 2.0 ** -np.arange(1, 9, dtype=np.float32)
+    check(q, k, v, alibi=slopes)
+
+
+@pytest.mark.parametrize("S, window", [(1, 1), (1, 16), (1, 600), (7, 4), (7, 100)])
+def test_sliding_window(S, window):
+    check(*make(S, 600, 9, 3, 64), window=window)
+
+
+def test_all_options_together():
+    q, k, v = make(6, 80, 9, 3, 64)
+    mask = np.where(np.random.default_rng(3).random((6, 80)) < 0.2, -np.inf, 0.0).astype(np.float32)
+    check(q, k, v, mask=mask, softcap=5.0, alibi=np.linspace(0.01, 0.5, 9), window=30, scale=0.2, offset=70)
+
+
+def test_zero_queries_and_empty_cache():
+    q, k, v = make(0, 5, 9, 3, 64)
+    assert attend_kv(q, k, v).shape == (0, 9, 64)
+    q, k, v = make(1, 0, 9, 3, 64)
+    np.testing.assert_array_equal(attend_kv(q, k, v, offset=0), 0.0)
+
+
+def test_validation_errors():
+    q, k, v = make(2, 8, 9, 3, 64)
+    kv = np.stack((k, v), axis=2)
+    with pytest.raises(ValueError, match=r"H=9.*KVH=2"):
+        attend(q, np.zeros((8, 2, 2, 64), np.float32), 8)
+    with pytest.raises(ValueError, match="D=64.*D=32"):
+        attend(q, np.zeros((8, 3, 2, 32), np.float32), 8)
+    with pytest.raises(ValueError, match="C-contiguous float32"):
+        attend(q, kv.astype(np.float64), 8)
+    with pytest.raises(ValueError, match=r"kv_len must be in \[0, capacity=8\], got 9"):
+        attend(q, kv, 9)
+    with pytest.raises(ValueError, match="offset must be >= 0"):
+        attend(q, kv, 1)
+    with pytest.raises(ValueError, match=r"mask must have shape \(S, kv_len\)=\(2, 8\)"):
+        attend(q, kv, 8, mask=np.zeros((2, 7), np.float32))
+    with pytest.raises(ValueError, match=r"alibi must have shape \(H,\)=\(9,\)"):
+        attend(q, kv, 8, alibi=np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="q must be 3-D"):
+        attend(q[0], kv, 8)
+    with pytest.raises(ValueError, match="out must be"):
+        attend(q, kv, 8, out=np.zeros((2, 9, 64), np.float64))
