@@ -165,6 +165,15 @@ class GGUFFile:
         return TensorInfo(name, qtype, shape, data, n_bytes, start)
 
 
+def read_metadata(path: str | os.PathLike[str]) -> dict:
+    """The metadata of any well-formed GGUF file (of any architecture), without loading a model."""
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    with mm:
+        return _Parser(path, mm, mm.size()).parse()[1]
+
+
 class _Parser:
     """Reads the header, metadata and tensor table, checking each length against what remains."""
 
