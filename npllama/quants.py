@@ -1,0 +1,791 @@
+"""Dequantization and quantized matrix products for the GGML block formats, in Numba.
+
+Data layout follows GGUF: a tensor of shape (..., n) is stored as uint8 rows of
+``row_bytes(qtype, n)`` bytes, each row a run of blocks of ``GGML_QUANT_SIZES[qtype]``.
+
+Public API (Python level, validates its inputs):
+
+* ``dequantize(data, qtype)`` -- bit-exact with ``gguf.quants.dequantize``.
+* ``matmul(data, qtype, x, out=None)`` -- ``W @ x`` (x of shape (n,)) or ``x @ W.T``
+  (x of shape (S, n)) computed from the block data, W being the (rows, n) weight.
+* ``row_elems``, ``row_bytes``, ``SUPPORTED_TYPES``.
+
+Njit level, for fused kernels (C-contiguous arrays and scalars only; they never raise;
+``code`` is ``int(qtype)``):
+
+* ``_deq_row(code, src, dst)`` and ``_deq_row_<type>(src, dst)``: dequantize one row
+  (``src`` uint8, ``dst`` float32).
+* ``_dequantize_rows(code, src2d, dst2d)``: row-parallel dequantization.
+* ``_matvec(code, data, x, out)``: ``out[r] = dot(row r of data, x)``, row-parallel, and
+  the kernels it dispatches to: ``_matvec_q8_0``, ``_matvec_q4_0``, ``_matvec_q4_1``
+  (built on the single-row dots ``_dot_row_q8_0(row, x, nb)``, ``_dot_row_q4_0(row, x, nb)``
+  and ``_dot_row_q4_1(row, x, xsum, nb)``) and ``_matvec_dequant(code, data, x, out)``
+  (any type: dequantizes a row into scratch, then dots).
+
+Dequantization reproduces gguf's float32 arithmetic order exactly (float16 scales are
+widened to float32 first, products are rounded before sums, no fused multiply-add), so
+those kernels are compiled without fastmath. The product kernels use fastmath without
+nnan/ninf and agree with dequantize-then-dot up to float32 summation order.
+"""
+from __future__ import annotations
+
+import math
+import platform
+from typing import NamedTuple
+
+import llvmlite.binding as llvm
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+from llvmlite import ir
+from numba import config as numba_config, njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+# Product kernels may reassociate and contract, but must keep inf/nan semantics.
+_FAST = {"contract", "reassoc", "nsz", "arcp"}
+
+# Type codes used at njit level: the GGML enum values.
+_F32 = int(QT.F32)
+_F16 = int(QT.F16)
+_BF16 = int(QT.BF16)
+_Q8_0 = int(QT.Q8_0)
+_Q4_0 = int(QT.Q4_0)
+_Q4_1 = int(QT.Q4_1)
+_Q5_0 = int(QT.Q5_0)
+_Q5_1 = int(QT.Q5_1)
+_Q2_K = int(QT.Q2_K)
+_Q3_K = int(QT.Q3_K)
+_Q4_K = int(QT.Q4_K)
+_Q5_K = int(QT.Q5_K)
+_Q6_K = int(QT.Q6_K)
+
+
+# ---------------------------------------------------------------------------------------
+# LLVM IR helpers for the intrinsics below (float16 conversion and the decode row dots)
+# ---------------------------------------------------------------------------------------
+
+_I8 = ir.IntType(8)
+_I16 = ir.IntType(16)
+_I32 = ir.IntType(32)
+_F32T = ir.FloatType()
+_FAST_FLAGS = tuple(sorted(_FAST))
+
+
+def _hardware_f16() -> bool:
+    """Whether numba's target converts float16 -> float32 in one instruction (x86 F16C, AArch64).
+
+    Elsewhere LLVM would emit a call to a runtime helper that the JIT may not resolve.
+    """
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return True
+    if machine not in ("x86_64", "amd64"):
+        return False
+    features = numba_config.CPU_FEATURES
+    if features is None:
+        return bool(llvm.get_host_cpu_features().get("f16c", False))
+    return "+f16c" in features.split(",")
+
+
+_HW_F16 = _hardware_f16()
+
+
+def _ir_i32(v):
+    return ir.Constant(_I32, v)
+
+
+def _ir_f16_exact(builder, h):
+    """float32 from the float16 bits in the low half of i32 ``h``: exact, NaN payloads kept."""
+    sign = builder.shl(builder.and_(h, _ir_i32(0x8000)), _ir_i32(16))
+    em = builder.and_(h, _ir_i32(0x7FFF))
+    # normal numbers: rebias the exponent by 127 - 15; inf/nan: by 2 * (127 - 15), giving 0xFF
+    special = builder.icmp_unsigned(">=", em, _ir_i32(0x7C00))
+    bias = builder.select(special, _ir_i32(0x38000), _ir_i32(0x1C000))
+    normal = builder.shl(builder.add(em, bias), _ir_i32(13))
+    # subnormal m * 2**-24: shift the leading one of m to bit 10, k = ctlz(m) - 21 (only
+    # selected below when em < 0x400, where 1 <= k <= 11)
+    k = builder.sub(builder.ctlz(em, ir.Constant(ir.IntType(1), 0)), _ir_i32(21))
+    mant = builder.shl(builder.and_(builder.shl(em, k), _ir_i32(0x3FF)), _ir_i32(13))
+    sub = builder.or_(builder.shl(builder.sub(_ir_i32(113), k), _ir_i32(23)), mant)
+    sub = builder.select(builder.icmp_unsigned("==", em, _ir_i32(0)), _ir_i32(0), sub)
+    bits = builder.select(builder.icmp_unsigned("<", em, _ir_i32(0x400)), sub, normal)
+    return builder.bitcast(builder.or_(bits, sign), _F32T)
+
+
+def _ir_f16_fast(builder, h):
+    """float32 from float16 bits (i32 ``h``) for the products: one instruction where the
+    hardware has it (which quiets signalling NaNs), else the exact conversion."""
+    if _HW_F16:
+        return builder.fpext(builder.bitcast(builder.trunc(h, _I16), ir.HalfType()), _F32T)
+    return _ir_f16_exact(builder, h)
+
+
+def _ir_load(builder, base, offset, ty, align):
+    """Load a ``ty`` (scalar or vector) from element ``offset`` of the pointer ``base``."""
+    ptr = builder.bitcast(builder.gep(base, [offset]), ty.as_pointer())
+    return builder.load(ptr, align=align)
+
+
+def _ir_load_f16(builder, base, offset):
+    """float16 bits at byte ``offset`` of ``base``, zero-extended to i32."""
+    return builder.zext(_ir_load(builder, base, offset, _I16, 1), _I32)
+
+
+def _ir_splat(builder, v, n):
+    vec = builder.insert_element(ir.Constant(ir.VectorType(v.type, n), ir.Undefined), v, _ir_i32(0))
+    return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, n), [0] * n))
+
+
+def _ir_hsum(builder, v):
+    """Sum of the lanes of a float vector (a power of two long), by halving."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
+        v = builder.fadd(lo, hi, flags=_FAST_FLAGS)
+    return builder.extract_element(v, _ir_i32(0))
+
+
+def _ir_block_loop(context, builder, nb_value, nb_type, step):
+    """Emit ``for b in range(nb): step(b)``."""
+    nb = context.cast(builder, nb_value, nb_type, types.intp)
+    with cgutils.for_range(builder, nb) as loop:
+        step(loop.index)
+
+
+def _ir_accumulate(builder, acc_ptr, value):
+    builder.store(builder.fadd(builder.load(acc_ptr), value, flags=_FAST_FLAGS), acc_ptr)
+
+
+def _ir_scaled(builder, d, v):
+    return builder.fmul(_ir_splat(builder, d, v.type.count), v, flags=_FAST_FLAGS)
+
+
+def _ir_vec_zero(n):
+    return ir.Constant(ir.VectorType(_F32T, n), [0.0] * n)
+
+
+def _ir_nibble_dot(builder, rp, o, xp, b, bias):
+    """16-lane vector of (lo_j - bias) * x[32b + j] + (hi_j - bias) * x[32b + 16 + j], where
+    lo_j/hi_j are the low/high nibbles of byte rp[o + j], j < 16."""
+    vi = ir.VectorType(_I32, 16)
+    vf = ir.VectorType(_F32T, 16)
+    q = builder.zext(_ir_load(builder, rp, o, ir.VectorType(_I8, 16), 1), vi)
+    lo = builder.and_(q, ir.Constant(vi, [15] * 16))
+    hi = builder.lshr(q, ir.Constant(vi, [4] * 16))
+    if bias:
+        lo = builder.sub(lo, ir.Constant(vi, [bias] * 16))
+        hi = builder.sub(hi, ir.Constant(vi, [bias] * 16))
+    xo = builder.mul(b, ir.Constant(b.type, 32))
+    x0 = _ir_load(builder, xp, xo, vf, 4)
+    x1 = _ir_load(builder, xp, builder.add(xo, ir.Constant(xo.type, 16)), vf, 4)
+    return builder.fadd(builder.fmul(builder.sitofp(lo, vf), x0, flags=_FAST_FLAGS),
+                        builder.fmul(builder.sitofp(hi, vf), x1, flags=_FAST_FLAGS), flags=_FAST_FLAGS)
+
+
+def _is_c_array(ty, dtype):
+    return isinstance(ty, types.Array) and ty.ndim == 1 and ty.layout == "C" and ty.dtype == dtype
+
+
+# ---------------------------------------------------------------------------------------
+# Scalar helpers
+# ---------------------------------------------------------------------------------------
+
+@intrinsic
+def _f16_to_f32(typingctx, bits):
+    """float32 value of the float16 whose bit pattern is the low 16 bits of integer ``bits``
+    (exact, as numpy's astype: NaN payloads and signalling NaNs are kept)."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        h = args[0]
+        if h.type.width > 32:
+            h = builder.trunc(h, _I32)
+        elif h.type.width < 32:
+            h = builder.zext(h, _I32)
+        return _ir_f16_exact(builder, h)  # reads only the low 16 bits
+
+    return types.float32(bits), codegen
+
+
+@njit(cache=True)
+def _f16_at(src, o):
+    """The little-endian float16 at byte offset ``o`` of uint8 array ``src``, as float32."""
+    return _f16_to_f32(np.uint32(src[o]) | (np.uint32(src[o + 1]) << 8))
+
+
+# ---------------------------------------------------------------------------------------
+# Row dequantizers: src is one C-contiguous uint8 row of whole blocks, dst its float32 row.
+# ---------------------------------------------------------------------------------------
+
+@njit(cache=True)
+def _deq_row_f32(src, dst):
+    dst.view(np.uint32)[:] = src.view(np.uint32)
+
+
+@njit(cache=True)
+def _deq_row_f16(src, dst):
+    h = src.view(np.uint16)
+    for i in range(dst.shape[0]):
+        dst[i] = _f16_to_f32(h[i])
+
+
+@njit(cache=True)
+def _deq_row_bf16(src, dst):
+    h = src.view(np.uint16)
+    u = dst.view(np.uint32)
+    for i in range(u.shape[0]):
+        u[i] = np.uint32(h[i]) << 16
+
+
+@njit(cache=True)
+def _deq_row_q8_0(src, dst):
+    # block (34 B): d f16 | qs int8[32];  y[j] = qs[j] * d
+    qs = src.view(np.int8)
+    for b in range(dst.shape[0] // 32):
+        o = b * 34
+        d = _f16_at(src, o)
+        for j in range(32):
+            dst[b * 32 + j] = np.float32(qs[o + 2 + j]) * d
+
+
+@njit(cache=True)
+def _deq_row_q4_0(src, dst):
+    # block (18 B): d f16 | qs u8[16];  y[j] = d*((qs[j]&15)-8), y[j+16] = d*((qs[j]>>4)-8)
+    for b in range(dst.shape[0] // 32):
+        o = b * 18
+        y = b * 32
+        d = _f16_at(src, o)
+        for j in range(16):
+            q = np.int64(src[o + 2 + j])
+            dst[y + j] = d * np.float32((q & 15) - 8)
+            dst[y + 16 + j] = d * np.float32((q >> 4) - 8)
+
+
+@njit(cache=True)
+def _deq_row_q4_1(src, dst):
+    # block (20 B): d f16 | m f16 | qs u8[16];  y[j] = d*(qs[j]&15) + m, y[j+16] = d*(qs[j]>>4) + m
+    for b in range(dst.shape[0] // 32):
+        o = b * 20
+        y = b * 32
+        d = _f16_at(src, o)
+        m = _f16_at(src, o + 2)
+        for j in range(16):
+            q = np.int64(src[o + 4 + j])
+            dst[y + j] = d * np.float32(q & 15) + m
+            dst[y + 16 + j] = d * np.float32(q >> 4) + m
+
+
+@njit(cache=True)
+def _deq_row_q5_0(src, dst):
+    # block (22 B): d f16 | qh u32 (bit j = 5th bit of element j) | qs u8[16] (low nibbles:
+    # elements 0..15, high nibbles: 16..31);  y = d * (q5 - 16)
+    for b in range(dst.shape[0] // 32):
+        o = b * 22
+        y = b * 32
+        d = _f16_at(src, o)
+        qh = (np.int64(src[o + 2]) | (np.int64(src[o + 3]) << 8)
+              | (np.int64(src[o + 4]) << 16) | (np.int64(src[o + 5]) << 24))
+        for j in range(16):
+            q = np.int64(src[o + 6 + j])
+            lo = (q & 15) | (((qh >> j) & 1) << 4)
+            hi = (q >> 4) | (((qh >> (j + 16)) & 1) << 4)
+            dst[y + j] = d * np.float32(lo - 16)
+            dst[y + 16 + j] = d * np.float32(hi - 16)
+
+
+@njit(cache=True)
+def _deq_row_q5_1(src, dst):
+    # block (24 B): d f16 | m f16 | qh u32 | qs u8[16] (as Q5_0);  y = d * q5 + m
+    for b in range(dst.shape[0] // 32):
+        o = b * 24
+        y = b * 32
+        d = _f16_at(src, o)
+        m = _f16_at(src, o + 2)
+        qh = (np.int64(src[o + 4]) | (np.int64(src[o + 5]) << 8)
+              | (np.int64(src[o + 6]) << 16) | (np.int64(src[o + 7]) << 24))
+        for j in range(16):
+            q = np.int64(src[o + 8 + j])
+            lo = (q & 15) | (((qh >> j) & 1) << 4)
+            hi = (q >> 4) | (((qh >> (j + 16)) & 1) << 4)
+            dst[y + j] = d * np.float32(lo) + m
+            dst[y + 16 + j] = d * np.float32(hi) + m
+
+
+@njit(cache=True)
+def _deq_row_q2_k(src, dst):
+    # super-block (84 B, 256 elements in 16 sub-blocks of 16):
+    #   scales u8[16] @0   low nibble: scale, high nibble: min, of sub-block s
+    #   qs     u8[64] @16  2-bit quants; element e = h*128 + k*32 + l (h<2, k<4, l<32)
+    #                      is (qs[h*32 + l] >> 2k) & 3
+    #   d      f16    @80, dmin f16 @82
+    #   y[e] = (d * scale[s]) * q - (dmin * min[s]),  s = e // 16
+    for b in range(dst.shape[0] // 256):
+        o = b * 84
+        y = b * 256
+        d = _f16_at(src, o + 80)
+        dmin = _f16_at(src, o + 82)
+        for s in range(16):
+            sc = np.int64(src[o + s])
+            dl = d * np.float32(sc & 15)
+            ml = dmin * np.float32(sc >> 4)
+            h = s >> 3
+            shift = ((s >> 1) & 3) * 2
+            l0 = (s & 1) * 16
+            for i in range(16):
+                q = (np.int64(src[o + 16 + h * 32 + l0 + i]) >> shift) & 3
+                dst[y + s * 16 + i] = dl * np.float32(q) - ml
+
+
+@njit(cache=True)
+def _deq_row_q3_k(src, dst):
+    # super-block (110 B, 256 elements in 16 sub-blocks of 16):
+    #   hmask  u8[32] @0   element e = k*32 + l (k<8) has high bit (hmask[l] >> k) & 1;
+    #                      a CLEAR bit subtracts 4
+    #   qs     u8[64] @32  low 2 bits, laid out as Q2_K: e = h*128 + k*32 + l
+    #                      -> (qs[h*32 + l] >> 2k) & 3
+    #   scales u8[12] @96  6-bit scales, 32-biased:
+    #                      bytes 0..7: low nibble = scale i (bits 0-3), high nibble = scale i+8
+    #                      bytes 8..11: bits 2k..2k+1 of byte 8+j = bits 4-5 of scale 4k+j
+    #   d      f16    @108
+    #   y[e] = (d * (scale[s] - 32)) * q,  s = e // 16
+    for b in range(dst.shape[0] // 256):
+        o = b * 110
+        y = b * 256
+        d = _f16_at(src, o + 108)
+        for s in range(16):
+            if s < 8:
+                lo = np.int64(src[o + 96 + s]) & 15
+            else:
+                lo = np.int64(src[o + 96 + s - 8]) >> 4
+            hi = (np.int64(src[o + 104 + (s & 3)]) >> (2 * (s >> 2))) & 3
+            dl = d * np.float32((lo | (hi << 4)) - 32)
+            h = s >> 3
+            shift = ((s >> 1) & 3) * 2
+            l0 = (s & 1) * 16
+            k = s >> 1
+            for i in range(16):
+                l = l0 + i
+                q = (np.int64(src[o + 32 + h * 32 + l]) >> shift) & 3
+                if ((np.int64(src[o + l]) >> k) & 1) == 0:
+                    q -= 4
+                dst[y + s * 16 + i] = dl * np.float32(q)
+
+
+@njit(cache=True)
+def _k_scale_min(src, o, j):
+    """Q4_K/Q5_K 6-bit (scale, min) of sub-block j from the 12 bytes at src[o:]:
+        bytes 0..3  (j<4): scale j in bits 0-5; bits 6-7 are bits 4-5 of scale j+4
+        bytes 4..7  (j<4): min j   in bits 0-5; bits 6-7 are bits 4-5 of min j+4
+        bytes 8..11 (j>=4): low nibble = bits 0-3 of scale j, high nibble = bits 0-3 of min j
+    """
+    if j < 4:
+        return np.int64(src[o + j]) & 63, np.int64(src[o + j + 4]) & 63
+    sc = (np.int64(src[o + j + 4]) & 15) | ((np.int64(src[o + j - 4]) >> 6) << 4)
+    mn = (np.int64(src[o + j + 4]) >> 4) | ((np.int64(src[o + j]) >> 6) << 4)
+    return sc, mn
+
+
+@njit(cache=True)
+def _deq_row_q4_k(src, dst):
+    # super-block (144 B, 256 elements in 8 sub-blocks of 32):
+    #   d f16 @0, dmin f16 @2, scales u8[12] @4 (see _k_scale_min)
+    #   qs u8[128] @16: element e = c*64 + h*32 + l (c<4, h<2) is (qs[c*32 + l] >> 4h) & 15
+    #   y[e] = (d * scale[j]) * q - (dmin * min[j]),  j = e // 32
+    for b in range(dst.shape[0] // 256):
+        o = b * 144
+        y = b * 256
+        d = _f16_at(src, o)
+        dmin = _f16_at(src, o + 2)
+        for j in range(8):
+            sc, mn = _k_scale_min(src, o + 4, j)
+            dl = d * np.float32(sc)
+            ml = dmin * np.float32(mn)
+            base = o + 16 + (j >> 1) * 32
+            shift = (j & 1) * 4
+            for l in range(32):
+                q = (np.int64(src[base + l]) >> shift) & 15
+                dst[y + j * 32 + l] = dl * np.float32(q) - ml
+
+
+@njit(cache=True)
+def _deq_row_q5_k(src, dst):
+    # super-block (176 B, 256 elements in 8 sub-blocks of 32):
+    #   d f16 @0, dmin f16 @2, scales u8[12] @4 (see _k_scale_min)
+    #   qh u8[32] @16: element e = j*32 + l has 5th bit (qh[l] >> j) & 1
+    #   qs u8[128] @48: low 4 bits, laid out as Q4_K
+    #   y[e] = (d * scale[j]) * q - (dmin * min[j]),  j = e // 32
+    for b in range(dst.shape[0] // 256):
+        o = b * 176
+        y = b * 256
+        d = _f16_at(src, o)
+        dmin = _f16_at(src, o + 2)
+        for j in range(8):
+            sc, mn = _k_scale_min(src, o + 4, j)
+            dl = d * np.float32(sc)
+            ml = dmin * np.float32(mn)
+            base = o + 48 + (j >> 1) * 32
+            shift = (j & 1) * 4
+            for l in range(32):
+                q = ((np.int64(src[base + l]) >> shift) & 15) | (((np.int64(src[o + 16 + l]) >> j) & 1) << 4)
+                dst[y + j * 32 + l] = dl * np.float32(q) - ml
+
+
+@njit(cache=True)
+def _deq_row_q6_k(src, dst):
+    # super-block (210 B, 256 elements in 16 sub-blocks of 16), two halves h of 128:
+    #   ql u8[128] @0:   element h*128 + k*64 + l (k<2, l<64): low 4 bits (ql[h*64 + l] >> 4k) & 15
+    #   qh u8[64]  @128: element h*128 + k*32 + l (k<4, l<32): high 2 bits (qh[h*32 + l] >> 2k) & 3
+    #   scales i8[16] @192, d f16 @208
+    #   y[e] = (d * scale[s]) * (q - 32),  s = e // 16
+    scales = src.view(np.int8)
+    for b in range(dst.shape[0] // 256):
+        o = b * 210
+        y = b * 256
+        d = _f16_at(src, o + 208)
+        for s in range(16):
+            dl = d * np.float32(scales[o + 192 + s])
+            for i in range(16):
+                t = (s & 7) * 16 + i            # position inside half h
+                h = s >> 3
+                lo = (np.int64(src[o + h * 64 + (t & 63)]) >> (4 * (t >> 6))) & 15
+                hi = (np.int64(src[o + 128 + h * 32 + (t & 31)]) >> (2 * (t >> 5))) & 3
+                dst[y + s * 16 + i] = dl * np.float32((lo | (hi << 4)) - 32)
+
+
+@njit(cache=True)
+def _deq_row(code, src, dst):
+    """Dequantize one row of type ``code`` (= int(GGMLQuantizationType)); unknown codes are a no-op."""
+    if code == _Q4_1:
+        _deq_row_q4_1(src, dst)
+    elif code == _Q8_0:
+        _deq_row_q8_0(src, dst)
+    elif code == _Q4_0:
+        _deq_row_q4_0(src, dst)
+    elif code == _F32:
+        _deq_row_f32(src, dst)
+    elif code == _F16:
+        _deq_row_f16(src, dst)
+    elif code == _BF16:
+        _deq_row_bf16(src, dst)
+    elif code == _Q5_0:
+        _deq_row_q5_0(src, dst)
+    elif code == _Q5_1:
+        _deq_row_q5_1(src, dst)
+    elif code == _Q2_K:
+        _deq_row_q2_k(src, dst)
+    elif code == _Q3_K:
+        _deq_row_q3_k(src, dst)
+    elif code == _Q4_K:
+        _deq_row_q4_k(src, dst)
+    elif code == _Q5_K:
+        _deq_row_q5_k(src, dst)
+    elif code == _Q6_K:
+        _deq_row_q6_k(src, dst)
+
+
+@njit(parallel=True, cache=True)
+def _dequantize_rows(code, src, dst):
+    """Row-parallel dequantization of uint8 rows ``src`` into float32 rows ``dst``."""
+    for r in prange(src.shape[0]):
+        _deq_row(code, src[r], dst[r])
+
+
+# ---------------------------------------------------------------------------------------
+# Decode products: out[r] = dot(dequantized row r of data, x)
+#
+# The Q8_0/Q4_0/Q4_1 row dots are written as LLVM IR: one block per loop iteration, its
+# quants widened to float vectors, multiplied with x, scaled by the block's d and added into
+# a vector accumulator that is summed once per row. (Plain loops over a block's 16 or 32
+# quants get fully unrolled by LLVM, which then vectorises across blocks with gathers.)
+# ---------------------------------------------------------------------------------------
+
+@intrinsic
+def _dot_row_q8_0(typingctx, row, x, nb):
+    """Dot of a Q8_0 row of ``nb`` blocks with x[:32*nb].
+    Block (34 B): d f16 | qs int8[32];  sum_b d_b * sum_j qs_j x_j."""
+    if not (_is_c_array(row, types.uint8) and _is_c_array(x, types.float32) and isinstance(nb, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        rp = context.make_array(sig.args[0])(context, builder, args[0]).data
+        xp = context.make_array(sig.args[1])(context, builder, args[1]).data
+        acc = cgutils.alloca_once_value(builder, _ir_vec_zero(32))
+
+        def step(b):
+            o = builder.mul(b, ir.Constant(b.type, 34))
+            d = _ir_f16_fast(builder, _ir_load_f16(builder, rp, o))
+            qs = _ir_load(builder, rp, builder.add(o, ir.Constant(o.type, 2)), ir.VectorType(_I8, 32), 1)
+            q = builder.sitofp(qs, ir.VectorType(_F32T, 32))
+            xv = _ir_load(builder, xp, builder.mul(b, ir.Constant(b.type, 32)), ir.VectorType(_F32T, 32), 4)
+            _ir_accumulate(builder, acc, _ir_scaled(builder, d, builder.fmul(q, xv, flags=_FAST_FLAGS)))
+
+        _ir_block_loop(context, builder, args[2], sig.args[2], step)
+        return _ir_hsum(builder, builder.load(acc))
+
+    return types.float32(row, x, nb), codegen
+
+
+@intrinsic
+def _dot_row_q4_0(typingctx, row, x, nb):
+    """Dot of a Q4_0 row of ``nb`` blocks with x[:32*nb].
+    Block (18 B): d f16 | qs u8[16] (element j: low nibble of qs[j], element j+16: high nibble);
+    sum_b d_b * sum_j (q_j - 8) x_j."""
+    if not (_is_c_array(row, types.uint8) and _is_c_array(x, types.float32) and isinstance(nb, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        rp = context.make_array(sig.args[0])(context, builder, args[0]).data
+        xp = context.make_array(sig.args[1])(context, builder, args[1]).data
+        acc = cgutils.alloca_once_value(builder, _ir_vec_zero(16))
+
+        def step(b):
+            o = builder.mul(b, ir.Constant(b.type, 18))
+            d = _ir_f16_fast(builder, _ir_load_f16(builder, rp, o))
+            p = _ir_nibble_dot(builder, rp, builder.add(o, ir.Constant(o.type, 2)), xp, b, 8)
+            _ir_accumulate(builder, acc, _ir_scaled(builder, d, p))
+
+        _ir_block_loop(context, builder, args[2], sig.args[2], step)
+        return _ir_hsum(builder, builder.load(acc))
+
+    return types.float32(row, x, nb), codegen
+
+
+@intrinsic
+def _dot_row_q4_1(typingctx, row, x, xsum, nb):
+    """Dot of a Q4_1 row of ``nb`` blocks with x[:32*nb], xsum[b] being sum(x[32b:32b+32]).
+    Block (20 B): d f16 | m f16 | qs u8[16] (nibbles as Q4_0);
+    sum_b d_b * sum_j q_j x_j + m_b * xsum_b."""
+    if not (_is_c_array(row, types.uint8) and _is_c_array(x, types.float32)
+            and _is_c_array(xsum, types.float32) and isinstance(nb, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        rp = context.make_array(sig.args[0])(context, builder, args[0]).data
+        xp = context.make_array(sig.args[1])(context, builder, args[1]).data
+        sp = context.make_array(sig.args[2])(context, builder, args[2]).data
+        acc = cgutils.alloca_once_value(builder, _ir_vec_zero(16))
+        acc_m = cgutils.alloca_once_value(builder, ir.Constant(_F32T, 0.0))
+
+        def step(b):
+            o = builder.mul(b, ir.Constant(b.type, 20))
+            d = _ir_f16_fast(builder, _ir_load_f16(builder, rp, o))
+            m = _ir_f16_fast(builder, _ir_load_f16(builder, rp, builder.add(o, ir.Constant(o.type, 2))))
+            p = _ir_nibble_dot(builder, rp, builder.add(o, ir.Constant(o.type, 4)), xp, b, 0)
+            _ir_accumulate(builder, acc, _ir_scaled(builder, d, p))
+            _ir_accumulate(builder, acc_m, builder.fmul(m, _ir_load(builder, sp, b, _F32T, 4), flags=_FAST_FLAGS))
+
+        _ir_block_loop(context, builder, args[3], sig.args[3], step)
+        return builder.fadd(_ir_hsum(builder, builder.load(acc)), builder.load(acc_m), flags=_FAST_FLAGS)
+
+    return types.float32(row, x, xsum, nb), codegen
+
+
+@njit(parallel=True, cache=True)
+def _matvec_q8_0(data, x, out):
+    nb = x.shape[0] // 32
+    for r in prange(data.shape[0]):
+        out[r] = _dot_row_q8_0(data[r], x, nb)
+
+
+@njit(parallel=True, cache=True)
+def _matvec_q4_0(data, x, out):
+    nb = x.shape[0] // 32
+    for r in prange(data.shape[0]):
+        out[r] = _dot_row_q4_0(data[r], x, nb)
+
+
+@njit(parallel=True, cache=True, fastmath=_FAST)
+def _matvec_q4_1(data, x, out):
+    nb = x.shape[0] // 32
+    xsum = np.empty(nb, np.float32)  # block sums of x, shared by all rows
+    for b in range(nb):
+        s = np.float32(0.0)
+        for j in range(32):
+            s += x[b * 32 + j]
+        xsum[b] = s
+    for r in prange(data.shape[0]):
+        out[r] = _dot_row_q4_1(data[r], x, xsum, nb)
+
+
+_MATVEC_CHUNK = 16  # rows per scratch allocation in the generic kernel
+
+
+@njit(parallel=True, cache=True, fastmath=_FAST)
+def _matvec_dequant(code, data, x, out):
+    """Any type: dequantize each row into a scratch row, then dot it with x."""
+    rows = data.shape[0]
+    n = x.shape[0]
+    for c in prange((rows + _MATVEC_CHUNK - 1) // _MATVEC_CHUNK):
+        scratch = np.empty(n, np.float32)
+        for r in range(c * _MATVEC_CHUNK, min(rows, (c + 1) * _MATVEC_CHUNK)):
+            _deq_row(code, data[r], scratch)
+            acc = np.float32(0.0)
+            for i in range(n):
+                acc += scratch[i] * x[i]
+            out[r] = acc
+
+
+@njit(cache=True)
+def _matvec(code, data, x, out):
+    """out[r] = dot(row r of the (rows, row_bytes) uint8 weight ``data``, x), for any type."""
+    if code == _Q4_1:
+        _matvec_q4_1(data, x, out)
+    elif code == _Q8_0:
+        _matvec_q8_0(data, x, out)
+    elif code == _Q4_0:
+        _matvec_q4_0(data, x, out)
+    else:
+        _matvec_dequant(code, data, x, out)
+
+
+# ---------------------------------------------------------------------------------------
+# Python-level API
+# ---------------------------------------------------------------------------------------
+
+class _Spec(NamedTuple):
+    qtype: QT
+    block_size: int
+    type_size: int
+    row_fn: object       # njit row dequantizer (src_u8_row, dst_f32_row)
+    matvec_fn: object    # njit decode kernel (data, x, out), or None for _matvec_dequant
+
+
+_KERNELS = {
+    QT.F32: (_deq_row_f32, None),
+    QT.F16: (_deq_row_f16, None),
+    QT.BF16: (_deq_row_bf16, None),
+    QT.Q8_0: (_deq_row_q8_0, _matvec_q8_0),
+    QT.Q4_0: (_deq_row_q4_0, _matvec_q4_0),
+    QT.Q4_1: (_deq_row_q4_1, _matvec_q4_1),
+    QT.Q5_0: (_deq_row_q5_0, None),
+    QT.Q5_1: (_deq_row_q5_1, None),
+    QT.Q2_K: (_deq_row_q2_k, None),
+    QT.Q3_K: (_deq_row_q3_k, None),
+    QT.Q4_K: (_deq_row_q4_k, None),
+    QT.Q5_K: (_deq_row_q5_k, None),
+    QT.Q6_K: (_deq_row_q6_k, None),
+}
+
+_REGISTRY: dict[QT, _Spec] = {
+    qt: _Spec(qt, *GGML_QUANT_SIZES[qt], row_fn, matvec_fn) for qt, (row_fn, matvec_fn) in _KERNELS.items()
+}
+
+SUPPORTED_TYPES: tuple[QT, ...] = tuple(_REGISTRY)
+
+_DEQ_CHUNK_ELEMS = 4096   # elements per parallel work item in dequantize()
+_TILE_BYTES = 1 << 20     # float32 scratch per prefill tile
+
+
+def _spec(qtype) -> _Spec:
+    try:
+        return _REGISTRY[qtype]  # GGMLQuantizationType is an IntEnum: its int values hit too
+    except (KeyError, TypeError):
+        pass
+    supported = ", ".join(t.name for t in SUPPORTED_TYPES)
+    try:
+        qt = QT(int(qtype))
+    except (TypeError, ValueError):
+        raise ValueError(f"unknown quantization type {qtype!r}; supported types: {supported}") from None
+    raise ValueError(f"quantization type {qt.name} is not supported; supported types: {supported}")
+
+
+def row_elems(qtype, row_bytes: int) -> int:
+    """Elements in a row of ``row_bytes`` bytes of type ``qtype``."""
+    s = _spec(qtype)
+    if row_bytes < 0 or row_bytes % s.type_size:
+        raise ValueError(f"a {s.qtype.name} row must hold a whole number of {s.type_size}-byte blocks, "
+                         f"got {row_bytes} bytes")
+    return row_bytes // s.type_size * s.block_size
+
+
+def row_bytes(qtype, n: int) -> int:
+    """Bytes in a row of ``n`` elements of type ``qtype``."""
+    s = _spec(qtype)
+    if n < 0 or n % s.block_size:
+        raise ValueError(f"a {s.qtype.name} row must hold a whole number of {s.block_size}-element blocks, "
+                         f"got {n} elements")
+    return n // s.block_size * s.type_size
+
+
+def _as_byte_rows(data, s: _Spec) -> np.ndarray:
+    """``data`` as a C-contiguous uint8 array (copied only if it was not contiguous)."""
+    arr = np.asarray(data)
+    if arr.ndim == 0:
+        raise ValueError(f"{s.qtype.name} data must have at least one dimension")
+    arr = np.ascontiguousarray(arr).view(np.uint8)
+    if arr.shape[-1] % s.type_size:
+        raise ValueError(f"{s.qtype.name} rows of {arr.shape[-1]} bytes are not a whole number of "
+                         f"{s.type_size}-byte blocks")
+    return arr
+
+
+def dequantize(data, qtype) -> np.ndarray:
+    """Dequantize GGUF block data to float32, bit-exact with ``gguf.quants.dequantize``.
+
+    ``data``: uint8 of shape (..., row_bytes), or the float32/float16 array GGUFReader gives
+    for F32/F16 tensors (any dtype is read as its raw bytes). Non-contiguous input is copied
+    to a contiguous one first. Returns a new float32 array of shape (..., row_elems).
+    """
+    s = _spec(qtype)
+    arr = _as_byte_rows(data, s)
+    n = arr.shape[-1] // s.type_size * s.block_size
+    out = np.empty(arr.shape[:-1] + (n,), np.float32)
+    if out.size:
+        # Work items of k whole blocks, so a few long rows still spread over all threads.
+        k = math.gcd(arr.size // s.type_size, max(1, _DEQ_CHUNK_ELEMS // s.block_size))
+        _dequantize_rows(int(s.qtype), arr.reshape(-1, k * s.type_size), out.reshape(-1, k * s.block_size))
+    return out
+
+
+def matmul(data, qtype, x, out=None) -> np.ndarray:
+    """Product with a GGUF weight ``data`` of shape (rows, row_bytes) = W of shape (rows, n).
+
+    ``x`` of shape (n,) gives ``W @ x`` of shape (rows,), computed by row-parallel Numba
+    kernels on the block data (so is ``x`` of shape (1, n)); ``x`` of shape (S, n) gives
+    ``x @ W.T`` of shape (S, rows): tiles of W are dequantized into a scratch buffer and
+    multiplied by BLAS. ``x`` is converted to C-contiguous float32 as needed; ``data`` is
+    copied only if it is not C-contiguous. ``out``, if given, must be a C-contiguous
+    float32 array of the result's shape.
+    """
+    s = _spec(qtype)
+    w = _as_byte_rows(data, s)
+    if w.ndim != 2:
+        raise ValueError(f"weight data must be 2-D (rows, row_bytes), got shape {np.shape(data)}")
+    rows = w.shape[0]
+    n = w.shape[1] // s.type_size * s.block_size
+    x = np.asarray(x)
+    if x.ndim not in (1, 2):
+        raise ValueError(f"x must have shape (n,) or (S, n), got {x.shape}")
+    if x.shape[-1] != n:
+        raise ValueError(f"x has {x.shape[-1]} features but the {s.qtype.name} weight rows have {n} elements")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    shape = x.shape[:-1] + (rows,)
+    if out is None:
+        out = np.empty(shape, np.float32)
+    elif (not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != np.float32
+          or not out.flags.c_contiguous):
+        raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
+    if out.size == 0:
+        return out
+    if n == 0:
+        out.fill(0.0)
+        return out
+
+    if x.ndim == 1 or x.shape[0] == 1:
+        if s.matvec_fn is None:
+            _matvec_dequant(int(s.qtype), w, x.reshape(n), out.reshape(rows))
+        else:
+            s.matvec_fn(w, x.reshape(n), out.reshape(rows))
+    elif s.qtype == QT.F32:
+        np.matmul(x, w.view(np.float32).T, out=out)
+    else:
+        tile_rows = min(rows, max(16, _TILE_BYTES // (4 * n)))
+        tile = np.empty((tile_rows, n), np.float32)
+        for r0 in range(0, rows, tile_rows):
+            t = tile[:min(tile_rows, rows - r0)]
+            _dequantize_rows(int(s.qtype), w[r0:r0 + t.shape[0]], t)
+            np.matmul(x, t.T, out=out[:, r0:r0 + t.shape[0]])
+    return out

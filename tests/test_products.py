@@ -1,0 +1,143 @@
+"""npllama.quants.matmul against gguf.quants.dequantize(data) @ x, for every supported type."""
+import numba
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+import gguf.quants
+
+from npllama import quants
+from test_quants import FLOAT_TYPES, random_blocks
+
+
+def small_scale_bits(rng, shape):
+    """float16 bits of scales/mins of realistic size, either sign."""
+    return (rng.normal(0.0, 0.01, shape).astype(np.float16)).view(np.uint16)
+
+
+def weight(qtype, rows, rng, blocks=3):
+    """(rows, row_bytes) uint8 weight data of ``qtype`` with ``blocks`` blocks per row."""
+    if qtype in FLOAT_TYPES:
+        w = gguf.quants.quantize(rng.normal(0.0, 0.05, (rows, 8 * blocks)).astype(np.float32), qtype)
+        return np.ascontiguousarray(w).view(np.uint8)
+    return random_blocks(qtype, rows, blocks, rng, scale_bits=small_scale_bits)
+
+
+def assert_close(y, data, qtype, x):
+    """y agrees with the float64 product of gguf's dequantized W, to float32 summation error."""
+    w = gguf.quants.dequantize(data, qtype).astype(np.float64)
+    x64 = np.asarray(x, np.float64)
+    ref = x64 @ w.T
+    bound = np.abs(x64) @ np.abs(w).T  # |W| |x|: scale of the rounding error of each output
+    assert y.dtype == np.float32 and y.shape == ref.shape
+    assert np.all(np.abs(y - ref) <= 3e-5 * bound + 1e-30), np.max(np.abs(y - ref) / (bound + 1e-30))
+
+
+@pytest.mark.parametrize("qtype", quants.SUPPORTED_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_matmul(qtype, rows):
+    rng = np.random.default_rng(rows * 100 + int(qtype))
+    data = weight(qtype, rows, rng)
+    n = quants.row_elems(qtype, data.shape[1])
+    x = rng.normal(size=n).astype(np.float32)
+    assert_close(quants.matmul(data, qtype, x), data, qtype, x)          # decode
+    for s in (1, 3, 17):
+        xs = rng.normal(size=(s, n)).astype(np.float32)
+        assert_close(quants.matmul(data, qtype, xs), data, qtype, xs)    # prefill
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0, QT.Q4_0, QT.Q6_K], ids=lambda t: t.name)
+def test_one_thread_matches_two(qtype):
+    rng = np.random.default_rng(7)
+    data = weight(qtype, 9, rng, blocks=5)
+    x = rng.normal(size=quants.row_elems(qtype, data.shape[1])).astype(np.float32)
+    old = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        y1 = quants.matmul(data, qtype, x)
+    finally:
+        numba.set_num_threads(old)
+    np.testing.assert_array_equal(y1, quants.matmul(data, qtype, x))  # rows are independent
+
+
+def test_float_arrays_as_weights():
+    """F32/F16 weights may come as float32/float16 arrays (as GGUFReader gives them)."""
+    rng = np.random.default_rng(8)
+    w = rng.normal(size=(6, 40)).astype(np.float32)
+    x = rng.normal(size=(2, 40)).astype(np.float32)
+    assert_close(quants.matmul(w, QT.F32, x), w, QT.F32, x)
+    assert_close(quants.matmul(w.astype(np.float16), QT.F16, x[0]), w.astype(np.float16), QT.F16, x[0])
+
+
+def test_non_contiguous_and_non_float32_x():
+    rng = np.random.default_rng(9)
+    data = weight(QT.Q4_1, 7, rng)
+    n = 96
+    big = rng.normal(size=(5, 3 * n)).astype(np.float32)
+    x_strided = big[0, ::3]                 # 1-D, stride 3
+    x_cols = big[:, ::3]                    # 2-D, strided rows
+    x_t = np.ascontiguousarray(big[:, :n].T).T  # 2-D, Fortran order
+    for x in (x_strided, x_cols, x_t, big[0, :n].astype(np.float64)):
+        assert_close(quants.matmul(data, QT.Q4_1, x), data, QT.Q4_1, x)
+
+
+def test_non_contiguous_and_read_only_weights():
+    rng = np.random.default_rng(10)
+    data = weight(QT.Q8_0, 10, rng)
+    x = rng.normal(size=96).astype(np.float32)
+    assert_close(quants.matmul(data[::2], QT.Q8_0, x), data[::2], QT.Q8_0, x)
+    data.setflags(write=False)
+    assert_close(quants.matmul(data, QT.Q8_0, x), data, QT.Q8_0, x)
+
+
+def test_prefill_spans_several_tiles(monkeypatch):
+    monkeypatch.setattr(quants, "_TILE_BYTES", 1)  # 16-row tiles: 33 rows -> 16 + 16 + 1
+    rng = np.random.default_rng(11)
+    for qtype in (QT.Q4_1, QT.F16):
+        data = weight(qtype, 33, rng)
+        x = rng.normal(size=(4, quants.row_elems(qtype, data.shape[1]))).astype(np.float32)
+        assert_close(quants.matmul(data, qtype, x), data, qtype, x)
+
+
+def test_out_argument():
+    rng = np.random.default_rng(12)
+    data = weight(QT.Q4_1, 5, rng)
+    x = rng.normal(size=(3, 96)).astype(np.float32)
+    out = np.full((3, 5), np.nan, np.float32)
+    assert quants.matmul(data, QT.Q4_1, x, out=out) is out
+    assert_close(out, data, QT.Q4_1, x)
+    out1 = np.empty(5, np.float32)
+    assert quants.matmul(data, QT.Q4_1, x[1], out=out1) is out1
+    assert_close(out1, data, QT.Q4_1, x[1])
+    for bad in (np.empty((3, 6), np.float32), np.empty((3, 5), np.float64), np.empty((5, 3), np.float32).T):
+        with pytest.raises(ValueError, match=r"C-contiguous float32 array of shape \(3, 5\)"):
+            quants.matmul(data, QT.Q4_1, x, out=bad)
+
+
+def test_size_mismatch():
+    data = weight(QT.Q4_1, 4, np.random.default_rng(13))
+    with pytest.raises(ValueError, match=r"x has 95 features.*Q4_1 weight rows have 96 elements"):
+        quants.matmul(data, QT.Q4_1, np.zeros(95, np.float32))
+    with pytest.raises(ValueError, match=r"x must have shape \(n,\) or \(S, n\)"):
+        quants.matmul(data, QT.Q4_1, np.zeros((1, 1, 96), np.float32))
+    with pytest.raises(ValueError, match="2-D"):
+        quants.matmul(data[0], QT.Q4_1, np.zeros(96, np.float32))
+    with pytest.raises(ValueError, match="not supported"):
+        quants.matmul(data, QT.IQ4_NL, np.zeros(96, np.float32))
+
+
+def test_empty_shapes():
+    np.testing.assert_array_equal(quants.matmul(np.zeros((3, 0), np.uint8), QT.Q4_1, np.zeros(0, np.float32)),
+                                  np.zeros(3, np.float32))
+    assert quants.matmul(np.zeros((0, 20), np.uint8), QT.Q4_1, np.zeros((2, 32), np.float32)).shape == (2, 0)
+    assert quants.matmul(np.zeros((4, 20), np.uint8), QT.Q4_1, np.zeros((0, 32), np.float32)).shape == (0, 4)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0, QT.Q4_0, QT.Q5_K, QT.BF16], ids=lambda t: t.name)
+def test_njit_dispatcher(qtype):
+    """_matvec(code, ...) is the entry point for fused njit code: same result as matmul."""
+    rng = np.random.default_rng(14)
+    data = weight(qtype, 6, rng)
+    x = rng.normal(size=quants.row_elems(qtype, data.shape[1])).astype(np.float32)
+    out = np.empty(6, np.float32)
+    quants._matvec(int(qtype), data, x, out)
+    np.testing.assert_array_equal(out, quants.matmul(data, qtype, x))
