@@ -1,0 +1,159 @@
+"""Text generation: a generator of tokens over a Session, with streaming text, stop strings that
+may span token boundaries, EOS/end-of-turn stops, and optional top-N logprobs.
+
+`generate_tokens` is the engine; `complete` collects it into a `Completion`, and `stream`
+yields only the text pieces.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from .errors import ContextOverflowError
+from .sampling import GREEDY, Sampler, SamplingParams, make_sampler
+from .tokenizer import StreamDecoder
+
+
+@dataclass
+class Token:
+    """One generated token: its id, the text it completed, and (optionally) logprobs."""
+    id: int
+    text: str
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None  # [(id, logprob)], best first
+
+
+@dataclass
+class Completion:
+    text: str
+    tokens: list[Token] = field(default_factory=list)
+    finish_reason: str = "length"  # "stop" (EOS, end of turn or a stop string) or "length"
+    prompt_tokens: int = 0
+
+
+class _StopScanner:
+    """Holds back text that may be the start of a stop string, and finds stop strings that span
+    several tokens. `push(text)` returns (text safe to emit, stopped?)."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[:min(hits)], ""
+            return out, True
+        hold = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.pending)), hold, -1):
+                if self.pending.endswith(s[:n]):
+                    hold = n
+                    break
+        out = self.pending[:len(self.pending) - hold]
+        self.pending = self.pending[len(out):]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def check_max_tokens(max_tokens) -> int:
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
+        raise ValueError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
+    return max_tokens
+
+
+def fit_prompt(ids: list[int], ctx: int, max_tokens: int, truncate: bool) -> list[int]:
+    """`ids` if prompt plus generation fits in `ctx`; else its tail when `truncate`, else an error."""
+    room = ctx - max_tokens
+    if len(ids) <= room:
+        return ids
+    if truncate and room > 0:
+        return ids[len(ids) - room:]
+    raise ContextOverflowError(
+        f"the prompt is {len(ids)} tokens and max_tokens is {max_tokens}, but the context holds "
+        f"{ctx} tokens; shorten the prompt, lower max_tokens, raise ctx, or pass truncate=True "
+        f"to keep only the last {max(room, 0)} prompt tokens")
+
+
+def generate_tokens(session, prompt_ids: Sequence[int], *, max_tokens: int = 256,
+                    sampler: Sampler | None = None, stop: Sequence[str] = (),
+                    stop_ids: set[int] | None = None, logprobs: int = 0) -> Iterator[Token]:
+    """Feed `prompt_ids` to `session`, then sample up to `max_tokens` tokens, yielding each as a
+    Token whose `text` is what became safe to show (possibly ""). Generation ends at a stop id
+    (default: EOS and end-of-turn ids), at a stop string (not emitted), or at `max_tokens`.
+    The generator returns `(finish_reason, tail)`: "stop" or "length", and the text that was
+    held back (a possible start of a stop string that never completed)."""
+    model = session.model
+    tok = model.tokenizer
+    sampler = sampler or make_sampler(GREEDY)
+    stop_ids = tok.eot_ids if stop_ids is None else stop_ids
+    decoder = StreamDecoder(tok, skip_special=True)
+    scanner = _StopScanner(stop)
+    history = list(session.tokens) + list(prompt_ids)
+    if not len(prompt_ids):
+        raise ValueError("the prompt is empty: give at least one token to generate from")
+    if max_tokens == 0:
+        return "length", ""
+    logits = session.feed(prompt_ids)
+    reason = "length"
+    for n in range(max_tokens):
+        tid = sampler(logits, history)
+        if tid in stop_ids:
+            reason = "stop"
+            break
+        history.append(tid)
+        text, stopped = scanner.push(decoder.feed(tid))
+        yield Token(tid, text, *(_logprobs(logits, tid, logprobs) if logprobs else ()))
+        if stopped:
+            return "stop", ""
+        if n + 1 == max_tokens or session.pos >= session.ctx:
+            break
+        logits = session.feed([tid])
+    tail, _ = scanner.push(decoder.flush())
+    return reason, tail + scanner.flush()
+
+
+def _logprobs(logits: np.ndarray, tid: int, n: int):
+    lp = logits.astype(np.float64)
+    lp = lp - (lp.max() + np.log(np.exp(lp - lp.max()).sum()))
+    top = np.argsort(-lp)[:n]
+    return float(lp[tid]), [(int(i), float(lp[i])) for i in top]
+
+
+def complete(session, prompt_ids: Sequence[int], **kw) -> Completion:
+    """Run `generate_tokens` to the end and collect the text, tokens and finish reason."""
+    gen = generate_tokens(session, prompt_ids, **kw)
+    tokens: list[Token] = []
+    try:
+        while True:
+            tokens.append(next(gen))
+    except StopIteration as end:
+        reason, tail = end.value
+    return Completion("".join(t.text for t in tokens) + tail, tokens, reason, len(prompt_ids))
+
+
+def stream(session, prompt_ids: Sequence[int], **kw) -> Iterator[str]:
+    """Yield the generated text piece by piece, as it becomes safe to show."""
+    gen = generate_tokens(session, prompt_ids, **kw)
+    try:
+        while True:
+            t = next(gen)
+            if t.text:
+                yield t.text
+    except StopIteration as end:
+        if end.value[1]:
+            yield end.value[1]
+
+
+def sampler_from(params: SamplingParams | None, **overrides) -> Sampler:
+    """A sampler from `params` (default: llama.cpp's defaults) with keyword overrides applied."""
+    base = params or SamplingParams()
+    if overrides:
+        base = SamplingParams(**{**base.__dict__, **overrides})
+    return make_sampler(base)

@@ -1,0 +1,197 @@
+"""The text-level API that `Model` exposes: generation, chat, scoring, perplexity, embeddings.
+
+Each function takes the model as its first argument; `Model` binds them as methods. Prompts
+may be text (tokenized with the model's tokenizer, BOS as its metadata says) or token ids.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from .chat import validate_messages
+from .generate import Completion, check_max_tokens, complete, fit_prompt, stream
+from .progress import Progress
+from .sampling import SamplingParams, make_sampler
+
+_SAMPLING_KEYS = set(SamplingParams.__dataclass_fields__)
+
+
+def _prompt_ids(model, prompt) -> list[int]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("the prompt is empty: give some text (or token ids) to continue")
+        return model.tokenize(prompt, special=True)
+    ids = model.check_ids(prompt)  # raises on empty or out-of-range ids
+    return [int(i) for i in ids]
+
+
+def _split_options(options: dict) -> tuple[SamplingParams, dict]:
+    """Sampling keywords (temperature, top_k, ..., seed) become SamplingParams; the rest stays."""
+    sampling = {k: options.pop(k) for k in list(options) if k in _SAMPLING_KEYS}
+    params = options.pop("sampling", None) or SamplingParams()
+    return SamplingParams(**{**params.__dict__, **sampling}), options
+
+
+def complete_text(model, prompt, *, max_tokens: int = 256, stop: Sequence[str] = (), logprobs: int = 0,
+                  truncate: bool = False, ctx: int | None = None, session=None, **options) -> Completion:
+    """Generate a continuation of `prompt` and return a Completion (text, tokens, finish reason).
+
+    Sampling keywords (temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
+    presence_penalty, frequency_penalty, logit_bias, seed) default to llama.cpp's.
+    `truncate=True` keeps the tail of a prompt that would not fit the context.
+    """
+    return _run(model, prompt, complete, max_tokens, stop, logprobs, truncate, ctx, session, options)
+
+
+def generate(model, prompt, *, max_tokens: int = 256, stream: bool = False, **options) -> str | Iterator[str]:
+    """The text generated after `prompt`; with `stream=True`, an iterator of text pieces."""
+    if stream:
+        return _stream(model, prompt, max_tokens, options)
+    return complete_text(model, prompt, max_tokens=max_tokens, **options).text
+
+
+def _stream(model, prompt, max_tokens, options):
+    stop, logprobs = options.pop("stop", ()), options.pop("logprobs", 0)
+    truncate, ctx, session = options.pop("truncate", False), options.pop("ctx", None), options.pop("session", None)
+    return _run(model, prompt, stream, max_tokens, stop, logprobs, truncate, ctx, session, options)
+
+
+def _run(model, prompt, runner, max_tokens, stop, logprobs, truncate, ctx, session, options):
+    params, rest = _split_options(dict(options))
+    if rest:
+        raise TypeError(f"unexpected keyword arguments: {', '.join(sorted(rest))}")
+    check_max_tokens(max_tokens)
+    if isinstance(stop, str):
+        stop = [stop]
+    ids = _prompt_ids(model, prompt)
+    session = session if session is not None else model.session(ctx=ctx)
+    ids = fit_prompt(ids, session.ctx - session.pos, max_tokens, truncate)
+    return runner(session, ids, max_tokens=max_tokens, sampler=make_sampler(params), stop=stop,
+                  logprobs=logprobs)
+
+
+def chat(model, messages: list[dict], **options) -> str | Iterator[str]:
+    """The assistant's reply to `messages` (a list of {'role', 'content'} dicts)."""
+    prompt = model.format_chat(messages, add_generation_prompt=True)
+    return generate(model, model.tokenize(prompt, special=True), **options)
+
+
+class ChatSession:
+    """A conversation that keeps its KV cache across turns and feeds only each turn's new tokens.
+
+    `send(text)` adds a user message and returns the reply (or streams it with `stream=True`).
+    The whole conversation is re-rendered with the chat template each turn and only the tokens
+    after the longest prefix already in the cache are fed, so templates that re-render earlier
+    turns differently still give exact results. `reset()` (or a new ChatSession) starts over.
+    """
+
+    def __init__(self, model, *, system: str | None = None, ctx: int | None = None, **options):
+        self.model = model
+        self.session = model.session(ctx=ctx)
+        self.system = system
+        self.options = options
+        self.messages: list[dict] = []
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new conversation (the cache memory is kept)."""
+        self.session.reset()
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def send(self, text: str, *, stream: bool = False, **options):
+        if not isinstance(text, str) or not text:
+            raise ValueError("a chat message must be a non-empty string")
+        self.messages.append({"role": "user", "content": text})
+        prompt = self.model.tokenize(self.model.format_chat(self.messages), special=True)
+        held = self.session.tokens
+        common = 0
+        while common < min(len(held), len(prompt) - 1) and held[common] == prompt[common]:
+            common += 1
+        self.session.truncate(common)
+        pieces = generate(self.model, prompt[common:], session=self.session, stream=True,
+                          **{**self.options, **options})
+        return self._record(pieces) if stream else "".join(self._record(pieces))
+
+    def _record(self, pieces):
+        reply = []
+        for piece in pieces:
+            reply.append(piece)
+            yield piece
+        self.messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def score(model, text: str) -> tuple[list[int], np.ndarray]:
+    """(ids, logprobs): the tokens of `text` and the log-probability of each given the ones before.
+
+    The first token is conditioned on BOS (or, for vocabularies without one, EOS), so every
+    token of `text` gets a score; `logprobs` has one float32 per id.
+    """
+    ids = model.tokenize(text, add_bos=False)
+    if not ids:
+        raise ValueError("score() needs non-empty text")
+    start = model.tokenizer.bos_id if model.tokenizer.bos_id is not None else model.tokenizer.eos_id
+    logits = model.session().feed([start] + ids[:-1], all_logits=True)
+    return ids, _target_logprobs(logits, ids)
+
+
+def _target_logprobs(logits: np.ndarray, targets) -> np.ndarray:
+    """log softmax(logits[i])[targets[i]] for each row i, in float64 then stored as float32."""
+    lg = logits.astype(np.float64)
+    m = lg.max(-1, keepdims=True)
+    lse = (m + np.log(np.exp(lg - m).sum(-1, keepdims=True)))[:, 0]
+    return (lg[np.arange(len(targets)), targets] - lse).astype(np.float32)
+
+
+def perplexity(model, text: str, ctx: int = 512, *, progress: bool | None = None) -> float:
+    """Perplexity as llama-perplexity defines it: the tokens are cut into windows of `ctx`, each
+    window starts with BOS when the model adds one, and only the second half of each window is
+    scored (so every scored token has at least ctx/2 tokens of context)."""
+    if not isinstance(ctx, int) or ctx < 2 or ctx > model.config.n_ctx:
+        raise ValueError(f"ctx must be an integer from 2 to {model.config.n_ctx}, got {ctx!r}")
+    ids = model.tokenize(text)
+    n_chunks = len(ids) // ctx
+    if n_chunks == 0:
+        raise ValueError(f"the text is {len(ids)} tokens, shorter than one window of ctx={ctx}; "
+                         f"lower ctx or give more text")
+    first = ctx // 2
+    nll, count = 0.0, 0
+    session = model.session()
+    with Progress(n_chunks, "perplexity", unit="windows", enabled=progress) as bar:
+        for c in range(n_chunks):
+            window = ids[c * ctx:(c + 1) * ctx]
+            if model.tokenizer.add_bos:
+                window[0] = model.tokenizer.bos_id
+            session.reset()
+            logits = session.feed(window, all_logits=True)
+            lp = _target_logprobs(logits[first - 1:ctx - 1], window[first:])
+            nll -= float(lp.astype(np.float64).sum())
+            count += len(lp)
+            bar.update(1)
+    return float(np.exp(nll / count))
+
+
+def embed(model, texts: str | Sequence[str]) -> np.ndarray:
+    """(n, n_embd) float32: each text's final hidden states (after the output norm), mean-pooled
+    over its tokens and L2-normalised."""
+    if isinstance(texts, str):
+        texts = [texts]
+    out = np.empty((len(texts), model.config.n_embd), dtype=np.float32)
+    for i, text in enumerate(texts):
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"text {i} is empty or not a string; embed() needs non-empty strings")
+        s = model.session()
+        hidden = model.forward(model.tokenize(text), 0, s.cache, output="hidden")
+        v = hidden.astype(np.float64).mean(0)
+        out[i] = v / max(np.linalg.norm(v), 1e-12)
+    return out
+
+
+def generate_batch(model, prompts: Sequence, *, progress: bool | None = None, **options) -> list[str]:
+    """The generated text for each prompt, in input order (a progress bar shows for long lists)."""
+    results = []
+    with Progress(len(prompts), "generate", unit="prompts", enabled=progress) as bar:
+        for p in prompts:
+            results.append(generate(model, p, **options))
+            bar.update(1)
+    return results
