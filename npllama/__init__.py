@@ -1,0 +1,22 @@
+"""npllama: CPU-first LLM inference on NumPy and Numba, reading GGUF models.
+
+    import npllama
+    model = npllama.load()                      # SmolLM2-135M-Instruct Q4_1 unless told otherwise
+    print(model.chat([{"role": "user", "content": "Hi!"}], max_tokens=64))
+"""
+from .errors import ContextOverflowError, GGUFError, ModelFetchError, PositionError
+from .generate import Completion, Token
+from .gguf_file import GGUFFile, ModelConfig
+from .hub import pull
+from .kvcache import KVCache
+from .model import Model, load
+from .quants import dequantize, matmul
+from .sampling import SamplingParams, make_sampler
+from .session import Session
+
+__all__ = [
+    "Completion", "ContextOverflowError", "GGUFError", "GGUFFile", "KVCache", "Model", "ModelConfig",
+    "ModelFetchError", "PositionError", "SamplingParams", "Session", "Token", "dequantize", "load",
+    "make_sampler", "matmul", "pull",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,233 @@
+"""The llama-family transformer (SmolLM2, TinyLlama, Llama 2/3, Qwen2) computed on GGUF weights.
+
+`Model.forward(ids, pos, cache)` is the one place a forward pass happens. It reads the position
+it is given only to check it against `cache.length`: the cache is the single owner of position
+state, and a `Session` (session.py) is the friendly way to drive it.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import quants, textapi
+from .attention import attend
+from .chat import validate_messages
+from .errors import PositionError
+from .gguf_file import GGUFFile, ModelConfig, TensorInfo
+from .kernels import RopeTable, rmsnorm, swiglu
+from .kvcache import KVCache
+from .threads import check_threads, physical_cores, single_threaded_blas, using_threads
+
+
+@dataclass(frozen=True)
+class QWeight:
+    """A weight matrix kept in its GGUF block format; products run directly on the blocks."""
+    name: str
+    data: np.ndarray  # (rows, row_bytes) uint8, a zero-copy view of the file
+    qtype: int
+    rows: int         # output features
+    cols: int         # input features
+
+    @classmethod
+    def from_tensor(cls, t: TensorInfo) -> "QWeight":
+        rows, cols = t.shape
+        data = t.data if t.data.dtype == np.uint8 else t.data.view(np.uint8)
+        return cls(t.name, data.reshape(rows, -1), t.qtype, rows, cols)
+
+    def __matmul__(self, x: np.ndarray) -> np.ndarray:
+        """W @ x for x of shape (cols,), and x @ W.T for x of shape (S, cols)."""
+        return quants.matmul(self.data, self.qtype, x)
+
+    def rows_of(self, ids: np.ndarray) -> np.ndarray:
+        """Dequantized rows `ids` as float32 (len(ids), cols): an embedding lookup."""
+        return quants.dequantize(self.data[ids], self.qtype).reshape(len(ids), self.cols)
+
+
+@dataclass(frozen=True)
+class Layer:
+    attn_norm: np.ndarray  # (n_embd,)
+    wq: QWeight            # (n_head * head_dim, n_embd)
+    wk: QWeight            # (n_head_kv * head_dim, n_embd)
+    wv: QWeight            # (n_head_kv * head_dim, n_embd)
+    wo: QWeight            # (n_embd, n_head * head_dim)
+    bq: np.ndarray | None  # Qwen2's q/k/v biases
+    bk: np.ndarray | None
+    bv: np.ndarray | None
+    ffn_norm: np.ndarray   # (n_embd,)
+    w_gate: QWeight        # (n_ff, n_embd)
+    w_up: QWeight          # (n_ff, n_embd)
+    w_down: QWeight        # (n_embd, n_ff)
+
+
+def _f32(t: TensorInfo) -> np.ndarray:
+    return quants.dequantize(t.data, t.qtype).reshape(t.shape)
+
+
+class Model:
+    """A loaded GGUF model. Cheap to create: weights stay memory-mapped until used.
+
+    Thread safety: the weights are read-only and every Session owns its own cache, so several
+    threads may each drive their own session (or call generate/score/...) on one Model at once.
+    A single Session must not be used from two threads at the same time.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, threads: int | None = None):
+        self.file = GGUFFile(path)
+        self.path = self.file.path
+        self.config: ModelConfig = self.file.config
+        self.threads = check_threads(threads) or physical_cores()
+        cfg, t = self.config, self.file.tensor
+        opt = self.file.tensors.get
+        self.layers = [
+            Layer(
+                attn_norm=_f32(t(f"blk.{i}.attn_norm.weight")),
+                wq=QWeight.from_tensor(t(f"blk.{i}.attn_q.weight")),
+                wk=QWeight.from_tensor(t(f"blk.{i}.attn_k.weight")),
+                wv=QWeight.from_tensor(t(f"blk.{i}.attn_v.weight")),
+                wo=QWeight.from_tensor(t(f"blk.{i}.attn_output.weight")),
+                bq=_f32(opt(f"blk.{i}.attn_q.bias")) if opt(f"blk.{i}.attn_q.bias") else None,
+                bk=_f32(opt(f"blk.{i}.attn_k.bias")) if opt(f"blk.{i}.attn_k.bias") else None,
+                bv=_f32(opt(f"blk.{i}.attn_v.bias")) if opt(f"blk.{i}.attn_v.bias") else None,
+                ffn_norm=_f32(t(f"blk.{i}.ffn_norm.weight")),
+                w_gate=QWeight.from_tensor(t(f"blk.{i}.ffn_gate.weight")),
+                w_up=QWeight.from_tensor(t(f"blk.{i}.ffn_up.weight")),
+                w_down=QWeight.from_tensor(t(f"blk.{i}.ffn_down.weight")),
+            )
+            for i in range(cfg.n_layer)
+        ]
+        self.token_embd = QWeight.from_tensor(t("token_embd.weight"))
+        self.output_norm = _f32(t("output_norm.weight"))
+        self.output = self.token_embd if cfg.tied_output else QWeight.from_tensor(t("output.weight"))
+        freqs = opt("rope_freqs.weight")
+        self.rope = RopeTable(
+            cfg.n_ctx, cfg.rope_dim, cfg.rope_base, neox=cfg.rope_neox,
+            scale=cfg.rope_scaling_factor if cfg.rope_scaling_type == "linear" else 1.0,
+            freq_factors=_f32(freqs) if freqs is not None else None)
+        self._tokenizer = None
+
+    # ---- text ---------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        """The model's tokenizer, built from the GGUF metadata on first use."""
+        if self._tokenizer is None:
+            from .tokenizer import Tokenizer
+            self._tokenizer = Tokenizer.from_metadata(self.file.metadata)
+        return self._tokenizer
+
+    def tokenize(self, text: str, *, add_bos: bool | None = None, special: bool = False) -> list[int]:
+        """Token ids of `text` (BOS added as the model's metadata says unless `add_bos` is given)."""
+        return self.tokenizer.encode(text, add_bos=add_bos, special=special)
+
+    def detokenize(self, ids) -> str:
+        """The text of token ids."""
+        return self.tokenizer.decode(ids)
+
+    def format_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """`messages` rendered with the model's chat template, as HF's apply_chat_template does."""
+        validate_messages(messages)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+
+    generate = textapi.generate
+    complete = textapi.complete_text
+    chat = textapi.chat
+    score = textapi.score
+    perplexity = textapi.perplexity
+    embed = textapi.embed
+    generate_batch = textapi.generate_batch
+
+    def chat_session(self, **options) -> "textapi.ChatSession":
+        """A multi-turn conversation that keeps its KV cache between turns."""
+        return textapi.ChatSession(self, **options)
+
+    # ---- inference ----------------------------------------------------------------------
+    def new_cache(self, capacity: int = 0) -> KVCache:
+        """An empty KV cache shaped for this model."""
+        cfg = self.config
+        return KVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, capacity=capacity)
+
+    def session(self, *, ctx: int | None = None, threads: int | None = None):
+        """A new inference session: one KV cache, and a position that is always its length."""
+        from .session import Session
+        return Session(self, ctx=ctx, threads=threads)
+
+    def check_ids(self, ids) -> np.ndarray:
+        """`ids` as a non-empty int64 array of valid token ids, or a ValueError saying what is wrong."""
+        arr = np.asarray(ids)
+        if arr.ndim == 0:
+            arr = arr.reshape(1)
+        if arr.ndim != 1 or arr.size == 0:
+            raise ValueError(f"token ids must be a non-empty 1-D sequence, got shape {arr.shape}")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+        bad = (arr < 0) | (arr >= self.config.n_vocab)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"token id {int(arr[i])} at index {i} is out of range: this model's "
+                             f"vocabulary has ids 0..{self.config.n_vocab - 1}")
+        return arr.astype(np.int64)
+
+    def forward(self, ids, pos: int, cache: KVCache, *, all_logits: bool = False,
+                output: str = "logits", threads: int | None = None) -> np.ndarray:
+        """Run `ids` at positions pos, pos+1, ... and append their keys and values to `cache`.
+
+        `pos` must equal `cache.length`. Returns float32 logits: (n_vocab,) for the last token,
+        or (len(ids), n_vocab) with `all_logits=True`; with `output="hidden"`, the final hidden
+        states after the output norm, (len(ids), n_embd). On any error the cache is left as it was.
+        """
+        if output not in ("logits", "hidden"):
+            raise ValueError(f"output must be 'logits' or 'hidden', got {output!r}")
+        ids = self.check_ids(ids)
+        if pos != cache.length:
+            raise PositionError(
+                f"position {pos} does not match the KV cache length {cache.length}: the next token "
+                f"must go at position {cache.length}. Pass pos=cache.length, or truncate/reset the "
+                f"cache first (a Session keeps the two together for you)")
+        cfg = self.config
+        if (cache.n_layers, cache.n_kv_heads, cache.head_dim) != (cfg.n_layer, cfg.n_head_kv, cfg.head_dim):
+            raise ValueError(
+                f"the KV cache is shaped for (layers, kv heads, head dim) = "
+                f"{(cache.n_layers, cache.n_kv_heads, cache.head_dim)}, this model needs "
+                f"{(cfg.n_layer, cfg.n_head_kv, cfg.head_dim)}; make one with model.new_cache()")
+        positions = np.arange(pos, pos + len(ids), dtype=np.int64)
+        self.rope.check(positions)
+        blas = single_threaded_blas() if len(ids) > 1 else contextlib.nullcontext()
+        with using_threads(check_threads(threads) or self.threads), blas:
+            try:
+                return self._forward(ids, positions, cache, all_logits, output)
+            except BaseException:
+                cache.truncate(pos)
+                raise
+
+    def _forward(self, ids, positions, cache, all_logits, output):
+        cfg = self.config
+        S, H, KVH, D = len(ids), cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        x = self.token_embd.rows_of(ids)  # (S, n_embd) residual stream
+        for li, L in enumerate(self.layers):
+            h = rmsnorm(x, L.attn_norm, cfg.rms_eps)
+            q, k, v = L.wq @ h, L.wk @ h, L.wv @ h  # (S, H*D), (S, KVH*D), (S, KVH*D)
+            if L.bq is not None:
+                q += L.bq
+                k += L.bk
+                v += L.bv
+            q = self.rope.apply(q.reshape(S, H, D), positions)
+            k = self.rope.apply(k.reshape(S, KVH, D), positions)
+            cache.append(li, k, v.reshape(S, KVH, D))
+            a = attend(q, cache.buffer(li), cache.layer_length(li))  # (S, H, D)
+            x += L.wo @ a.reshape(S, H * D)
+            h = rmsnorm(x, L.ffn_norm, cfg.rms_eps)
+            x += L.w_down @ swiglu(L.w_gate @ h, L.w_up @ h)
+        if output == "hidden":
+            return rmsnorm(x, self.output_norm, cfg.rms_eps)
+        if not all_logits:
+            x = x[-1:]
+        logits = self.output @ rmsnorm(x, self.output_norm, cfg.rms_eps)  # (S or 1, n_vocab)
+        return logits if all_logits else logits[0]
+
+
+def load(path: str | os.PathLike | None = None, *, threads: int | None = None) -> Model:
+    """Load a GGUF model: `path`, else $NPLLAMA_MODEL, else the default model (fetched once)."""
+    from .hub import resolve_model
+    return Model(resolve_model(path), threads=threads)

@@ -1,0 +1,98 @@
+"""RMSNorm, SwiGLU and RoPE against NumPy references."""
+import numpy as np
+import pytest
+
+from npllama import ContextOverflowError
+from npllama.kernels import RopeTable, rmsnorm, swiglu
+
+rng = np.random.default_rng(0)
+
+
+def ref_rmsnorm(x, w, eps):
+    x = x.astype(np.float64)
+    return (x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w).astype(np.float32)
+
+
+@pytest.mark.parametrize("shape", [(1,), (7,), (576,), (1, 576), (5, 33)])
+def test_rmsnorm(shape):
+    x = rng.standard_normal(shape).astype(np.float32)
+    w = rng.standard_normal(shape[-1]).astype(np.float32)
+    np.testing.assert_allclose(rmsnorm(x, w, 1e-5), ref_rmsnorm(x, w, 1e-5), rtol=1e-5, atol=1e-6)
+
+
+def test_rmsnorm_non_contiguous_and_bad_weight():
+    x = rng.standard_normal((6, 40)).astype(np.float32)[::2, ::2]
+    w = rng.standard_normal(20).astype(np.float32)
+    np.testing.assert_allclose(rmsnorm(x, w, 1e-6), ref_rmsnorm(x, w, 1e-6), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="weight has shape"):
+        rmsnorm(x, np.ones(3, np.float32), 1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1,), (9,), (3, 1536)])
+def test_swiglu(shape):
+    g = (rng.standard_normal(shape) * 4).astype(np.float32)
+    u = rng.standard_normal(shape).astype(np.float32)
+    ref = g / (1 + np.exp(-g.astype(np.float64))) * u
+    np.testing.assert_allclose(swiglu(g, u), ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(swiglu(g.T, u.T), ref.T, rtol=1e-5, atol=1e-6)  # non-contiguous when 2-D
+    with pytest.raises(ValueError, match="gate has shape"):
+        swiglu(g, u[..., :1] if shape[-1] > 1 else np.ones(2, np.float32))
+
+
+def ref_rope(x, positions, base, rope_dim, neox, factors=None):
+    """Rotate with complex numbers; pairs picked by the convention."""
+    x = x.astype(np.float64).copy()
+    inv = base ** (-np.arange(0, rope_dim, 2) / rope_dim)
+    if factors is not None:
+        inv = inv / factors
+    ang = positions[:, None] * inv[None, :]  # (S, rope_dim/2)
+    rot = np.exp(1j * ang)[:, None, :]
+    half = rope_dim // 2
+    if neox:
+        z = (x[..., :half] + 1j * x[..., half:rope_dim]) * rot
+        x[..., :half], x[..., half:rope_dim] = z.real, z.imag
+    else:
+        z = (x[..., 0:rope_dim:2] + 1j * x[..., 1:rope_dim:2]) * rot
+        x[..., 0:rope_dim:2], x[..., 1:rope_dim:2] = z.real, z.imag
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("S,H,D,rope_dim", [(1, 1, 2, 2), (5, 9, 64, 64), (3, 2, 40, 32)])
+def test_rope_both_conventions(neox, S, H, D, rope_dim):
+    table = RopeTable(4096, rope_dim, 10000.0, neox=neox)
+    x = rng.standard_normal((S, H, D)).astype(np.float32)
+    positions = np.array([0, 7, 4095, 100, 2][:S])
+    expect = ref_rope(x, positions.astype(np.float64), 10000.0, rope_dim, neox)
+    np.testing.assert_allclose(table.apply(x.copy(), positions), expect, rtol=1e-4, atol=2e-5)
+
+
+def test_rope_conventions_differ():
+    x = rng.standard_normal((1, 1, 8)).astype(np.float32)
+    a = RopeTable(16, 8, 10000.0, neox=False).apply(x.copy(), np.array([3]))
+    b = RopeTable(16, 8, 10000.0, neox=True).apply(x.copy(), np.array([3]))
+    assert not np.allclose(a, b)
+
+
+def test_rope_freq_factors():
+    factors = np.linspace(1, 8, 4)
+    table = RopeTable(64, 8, 500000.0, freq_factors=factors)
+    x = rng.standard_normal((2, 3, 8)).astype(np.float32)
+    positions = np.array([5, 63])
+    expect = ref_rope(x, positions.astype(np.float64), 500000.0, 8, False, factors)
+    np.testing.assert_allclose(table.apply(x.copy(), positions), expect, rtol=1e-4, atol=2e-5)
+
+
+def test_rope_tables_are_float32_from_float64_math():
+    t = RopeTable(8192, 64, 100000.0)
+    assert t.cos.dtype == np.float32 and t.cos.shape == (8192, 32)
+    exact = np.cos(8191 * 100000.0 ** (-np.arange(0, 64, 2) / 64))
+    np.testing.assert_array_equal(t.cos[8191], exact.astype(np.float32))
+
+
+def test_rope_position_past_context():
+    t = RopeTable(16, 8, 10000.0)
+    with pytest.raises(ContextOverflowError, match="position 16 .* context of 16"):
+        t.apply(np.zeros((2, 1, 8), np.float32), np.array([15, 16]))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        t.apply(np.zeros((2, 1, 8), np.float32)[:, :, ::1].transpose(0, 1, 2)[::-1], np.array([0, 1]))

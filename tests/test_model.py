@@ -1,0 +1,54 @@
+"""The forward pass against a naive NumPy reference, on tiny random models of each variant."""
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+import npllama
+import naive
+from tinygguf import write_tiny_llama
+
+IDS = [0, 7, 100, 3, 260, 44, 45, 46, 9, 1, 2]
+
+
+def check(path, ids=IDS, rtol=2e-4):
+    m = npllama.Model(path)
+    ref = naive.forward(m.file, ids)
+    got = m.session().feed(ids, all_logits=True)
+    scale = np.abs(ref).max()
+    assert np.abs(got - ref).max() <= rtol * scale, np.abs(got - ref).max() / scale
+    return m, got
+
+
+@pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.Q8_0, QT.Q4_1])
+def test_llama_matches_reference(tmp_path, qtype):
+    check(write_tiny_llama(tmp_path / "m.gguf", qtype=qtype))
+
+
+def test_untied_output_head(tmp_path):
+    m, _ = check(write_tiny_llama(tmp_path / "m.gguf", tied=False))
+    assert not m.config.tied_output and m.output is not m.token_embd
+
+
+def test_gqa_9_3_heads(tmp_path):
+    check(write_tiny_llama(tmp_path / "m.gguf", n_embd=72, n_head=9, n_head_kv=3, n_ff=80))
+
+
+def test_llama3_rope_freqs(tmp_path):
+    factors = np.linspace(1.0, 8.0, 8).astype(np.float32)  # head_dim 16 -> 8 frequencies
+    m, _ = check(write_tiny_llama(tmp_path / "m.gguf", rope_base=500000.0,
+                                  tensor_overrides={"rope_freqs.weight": factors}))
+    assert m.config.has_rope_freqs
+
+
+def test_qwen2_biases_and_neox_rope(tmp_path):
+    rng = np.random.default_rng(1)
+    biases = {f"blk.{i}.attn_{n}.bias": rng.standard_normal(d).astype(np.float32)
+              for i in range(2) for n, d in (("q", 64), ("k", 32), ("v", 32))}
+    m, got = check(write_tiny_llama(tmp_path / "m.gguf", arch="qwen2", tensor_overrides=biases))
+    assert m.config.attn_bias and m.config.rope_neox
+    m_nobias = npllama.Model(write_tiny_llama(tmp_path / "nb.gguf", arch="qwen2"))
+    assert not np.allclose(got, m_nobias.session().feed(IDS, all_logits=True))
+
+
+def test_single_token(tiny_model_path):
+    check(tiny_model_path, ids=[42])
