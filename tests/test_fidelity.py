@@ -1,0 +1,88 @@
+"""Fidelity of the default model against HF transformers in float32 on the same GGUF.
+
+The fixtures come from bench/make_fidelity_fixtures.py: token ids of a varied corpus (prose,
+code, numbers, several languages), HF's top-10 logits, log-sum-exp and next-token logprobs at
+every position, and greedy continuations of chat prompts from HF and from llama.cpp. The Q8_0
+and F16 variants are re-quantizations of the default model made with gguf.quants.
+"""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+import npllama
+from requant import requantize
+
+pytestmark = pytest.mark.model
+FIX = Path(__file__).parent / "fixtures"
+VARIANTS = {"q4_1": None, "q8_0": QT.Q8_0, "f16": QT.F16}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def variant(request, default_model_path, tmp_path_factory):
+    name, qtype = request.param, VARIANTS[request.param]
+    fixture = FIX / f"fidelity_{name}.npz"
+    if not fixture.exists():
+        pytest.skip(f"{fixture.name} not generated")
+    path = default_model_path
+    if qtype is not None:
+        path = requantize(default_model_path, tmp_path_factory.mktemp(name) / f"smol-{name}.gguf", qtype)
+    return name, npllama.Model(path), np.load(fixture)
+
+
+def _texts(fix):
+    return sorted({k.split("/")[0] for k in fix.files})
+
+
+def _logsoftmax_at(logits, ids):
+    lg = logits.astype(np.float64)
+    m = lg.max(-1, keepdims=True)
+    lse = m[:, 0] + np.log(np.exp(lg - m).sum(-1))
+    return lg[np.arange(len(ids)), ids] - lse
+
+
+def test_teacher_forced_top1_and_perplexity(variant):
+    name, model, fix = variant
+    agree = total = 0
+    ours_nll, ref_nll, worst = [], [], 0.0
+    for text in _texts(fix):
+        ids = fix[f"{text}/ids"]
+        logits = model.session().feed(ids, all_logits=True)
+        top = fix[f"{text}/top_ids"]
+        agree += int((logits.argmax(-1) == top[:, 0]).sum())
+        total += len(ids)
+        ours_nll.append(-_logsoftmax_at(logits[:-1], ids[1:]))
+        ref_nll.append(-fix[f"{text}/target_logprob"].astype(np.float64))
+        ref_top = fix[f"{text}/top_logits"]
+        worst = max(worst, float(np.abs(np.take_along_axis(logits, top, 1) - ref_top).max()))
+    ppl = np.exp(np.concatenate(ours_nll).mean())
+    ref_ppl = np.exp(np.concatenate(ref_nll).mean())
+    print(f"\n{name}: top-1 agreement {agree}/{total} = {agree / total:.2%}; perplexity {ppl:.4f} "
+          f"vs HF {ref_ppl:.4f} ({ppl / ref_ppl - 1:+.4%}); max |logit diff| on HF's top-10 {worst:.2e}")
+    assert total >= 300
+    assert agree / total >= 0.99
+    assert abs(ppl / ref_ppl - 1) <= 0.005
+    assert worst < 0.05  # exact dequantization: only float32 summation order differs
+
+
+def test_greedy_follows_reference_as_long_as_llama_cpp(variant):
+    name, model, _ = variant
+    greedy = json.loads((FIX / "fidelity_greedy.json").read_text())[name]
+    for key, g in greedy.items():
+        s = model.session()
+        logits = s.feed(g["prompt"])
+        ours = []
+        for _ in range(len(g["hf"])):
+            ours.append(int(logits.argmax()))
+            logits = s.feed(ours[-1:])
+
+        def agree(a):
+            n = 0
+            while n < min(len(a), len(g["hf"])) and a[n] == g["hf"][n]:
+                n += 1
+            return n
+        print(f"\n{name} chat {key}: npllama follows HF for {agree(ours)} tokens, "
+              f"llama.cpp for {agree(g['llama_cpp'])} (of {len(g['hf'])})")
+        assert agree(ours) >= agree(g["llama_cpp"])
