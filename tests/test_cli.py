@@ -1,0 +1,60 @@
+"""The command line, through a real subprocess."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def npllama(*args, stdin=None, env_model=None):
+    import os
+    env = dict(os.environ)
+    if env_model is not None:
+        env["NPLLAMA_MODEL"] = str(env_model)
+    return subprocess.run([sys.executable, "-m", "npllama", *map(str, args)], input=stdin,
+                          capture_output=True, text=True, timeout=600, env=env)
+
+
+def one_line_error(r, code=None):
+    assert r.returncode != 0 if code is None else r.returncode == code
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("npllama: error:"), r.stderr
+    return lines[0]
+
+
+def test_bad_flag_missing_file_bad_model(tmp_path, tiny_model_path):
+    assert "--bogus" in one_line_error(npllama("run", "hi", "--bogus"), 2)
+    assert "model file not found" in one_line_error(npllama("info", "-m", tmp_path / "nope.gguf"), 1)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 8)
+    assert "truncated" in one_line_error(npllama("info", "-m", bad), 1)
+    assert "invalid choice" in one_line_error(npllama("pull", "no-such-model"), 2)
+    assert "threads must be" in one_line_error(npllama("bench", "-m", tiny_model_path, "-t", "0"), 1)
+    assert "empty" in one_line_error(npllama("run", "", "-m", tiny_model_path), 1)
+
+
+def test_info_on_tiny_model(tiny_model_path):
+    r = npllama("info", "-m", tiny_model_path)
+    assert r.returncode == 0, r.stderr
+    for word in ("architecture   llama", "layers         2", "context        256", "F32", "tokenizer      gpt2"):
+        assert word in r.stdout
+
+
+@pytest.mark.model
+def test_run_chat_perplexity_bench(default_model_path, tmp_path):
+    r = npllama("run", "What is the capital of France?", "--temp", "0", "-n", "16", env_model=default_model_path)
+    assert r.returncode == 0 and "Paris" in r.stdout, r.stderr
+    raw = npllama("run", "The capital of France is", "--raw", "--temp", "0", "-n", "4", env_model=default_model_path)
+    assert raw.returncode == 0 and raw.stdout.strip() and raw.stdout != r.stdout
+    chat = npllama("chat", "--temp", "0", "-n", "12", stdin="What is the capital of France?\n/reset\nHi\n/exit\n",
+                   env_model=default_model_path)
+    assert chat.returncode == 0 and "Paris" in chat.stdout and "new conversation" in chat.stderr
+    text = tmp_path / "t.txt"
+    text.write_text("The cat sat on the mat. " * 20)
+    ppl = npllama("perplexity", "-f", text, "-c", "32", env_model=default_model_path)
+    assert ppl.returncode == 0 and ppl.stdout.startswith("perplexity "), ppl.stderr
+    b = npllama("bench", "-p", "8", "-n", "4", "-r", "1", "--json", env_model=default_model_path)
+    figures = json.loads(b.stdout)
+    assert figures["prefill_tok_s"] > 0 and figures["decode_tok_s"] > 0
+    assert "max_tokens" in one_line_error(npllama("run", "hi", "-n", "-3", env_model=default_model_path), 1)
