@@ -154,11 +154,8 @@ def test_missing_tensor_lookup_names_file_and_tensor(tiny_model_path):
 
 
 @pytest.mark.model
-def test_default_model():
-    path = os.environ.get("NPLLAMA_MODEL")
-    if not path or not os.path.exists(path):
-        pytest.skip("set NPLLAMA_MODEL to the SmolLM2-135M-Instruct Q4_1 GGUF")
-    gf = GGUFFile(path)
+def test_default_model(default_model_path):
+    gf = GGUFFile(default_model_path)
     cfg = gf.config
     assert (cfg.arch, cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff, cfg.n_vocab) == (
         "llama", 30, 576, 9, 3, 64, 1536, 49152)

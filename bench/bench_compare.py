@@ -1,0 +1,146 @@
+"""npllama against llama.cpp (llama-cpp-python) and HF transformers on the same GGUF, the same
+token ids and the same thread count, in one run. Prints prefill and decode tokens/s and the
+ratios to llama.cpp. Never a pass/fail test.
+
+    python bench/bench_compare.py [--model PATH] [--quant q8_0] [--threads 2]
+
+The references run in their own python (the venv of ../shared/tools/setup-refs.sh, or
+$NPLLAMA_REF_PY); each is skipped with a note when it is not installed there.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+# Runs inside the references' python: argv = engine, gguf path, ids json, gen, threads, repeats.
+REF_SCRIPT = r'''
+import json, sys, time
+import numpy as np
+engine, path, ids, gen, threads, repeats = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+best_p = best_d = 0.0
+if engine == "llama.cpp":
+    from llama_cpp import Llama
+    llm = Llama(model_path=path, n_ctx=len(ids) + gen + 8, n_batch=512, n_threads=threads,
+                n_threads_batch=threads, verbose=False)
+    for _ in range(repeats):
+        llm.reset()
+        t0 = time.perf_counter(); llm.eval(ids); t1 = time.perf_counter()
+        for _ in range(gen):
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        t2 = time.perf_counter()
+        best_p, best_d = max(best_p, len(ids) / (t1 - t0)), max(best_d, gen / (t2 - t1))
+else:
+    import os, torch
+    from transformers import AutoModelForCausalLM
+    torch.set_num_threads(threads)
+    m = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+    with torch.no_grad():
+        for _ in range(repeats):
+            t0 = time.perf_counter(); out = m(torch.tensor([ids]), use_cache=True); t1 = time.perf_counter()
+            past, tok = out.past_key_values, out.logits[0, -1].argmax()
+            for _ in range(gen):
+                out = m(tok.view(1, 1), past_key_values=past, use_cache=True)
+                past, tok = out.past_key_values, out.logits[0, -1].argmax()
+            t2 = time.perf_counter()
+            best_p, best_d = max(best_p, len(ids) / (t1 - t0)), max(best_d, gen / (t2 - t1))
+print(json.dumps({"prefill": best_p, "decode": best_d}))
+'''
+
+
+def ref_python() -> str | None:
+    py = os.environ.get("NPLLAMA_REF_PY") or str(Path.home() / ".cache/npllama-refs/venv/bin/python")
+    return py if Path(py).exists() else None
+
+
+def run_ref(py, engine, path, ids, gen, threads, repeats):
+    r = subprocess.run([py, "-c", REF_SCRIPT, engine, str(path), json.dumps(ids), str(gen), str(threads),
+                        str(repeats)], capture_output=True, text=True)
+    if r.returncode != 0:
+        return None, (r.stderr.strip().splitlines() or ["failed"])[-1]
+    return json.loads(r.stdout.strip().splitlines()[-1]), None
+
+
+def run_npllama(path, ids, gen, threads, repeats, **load_kw):
+    import npllama
+    t0 = time.perf_counter()
+    model = npllama.Model(path, threads=threads, **load_kw)
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    model.session().feed(ids[:2])
+    first_s = time.perf_counter() - t0
+    best_p = best_d = 0.0
+    for _ in range(repeats):
+        s = model.session()
+        t0 = time.perf_counter()
+        logits = s.feed(ids)
+        t1 = time.perf_counter()
+        for _ in range(gen):
+            logits = s.feed([int(np.argmax(logits))])
+        t2 = time.perf_counter()
+        best_p, best_d = max(best_p, len(ids) / (t1 - t0)), max(best_d, gen / (t2 - t1))
+    return {"prefill": best_p, "decode": best_d, "load_s": load_s, "first_call_s": first_s}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="GGUF (default: the default model)")
+    ap.add_argument("--quant", choices=["q8_0", "f16"], help="re-quantize the model first (gguf.quants)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--engines", default="npllama,llama.cpp,transformers")
+    args = ap.parse_args()
+
+    from npllama.hub import resolve_model
+    path = resolve_model(args.model)
+    tmp = tempfile.TemporaryDirectory()
+    if args.quant:
+        from gguf import GGMLQuantizationType as QT
+        from requant import requantize
+        path = requantize(path, Path(tmp.name) / f"model-{args.quant}.gguf", QT[args.quant.upper()])
+    ids = [int(i) for i in np.random.default_rng(0).integers(100, 40000, args.prompt)]
+    engines = args.engines.split(",")
+    results, notes = {}, []
+    py = ref_python()
+    for engine in engines:
+        if engine == "npllama":
+            results[engine] = run_npllama(path, ids, args.gen, args.threads, args.repeats)
+        elif py is None:
+            notes.append(f"{engine}: skipped (no references' python; run ../shared/tools/setup-refs.sh)")
+        else:
+            res, err = run_ref(py, engine, path, ids, args.gen, args.threads, args.repeats)
+            if res is None:
+                notes.append(f"{engine}: skipped ({err})")
+            else:
+                results[engine] = res
+
+    anchor = results.get("llama.cpp")
+    print(f"model {Path(path).name}, {args.threads} threads, prefill {args.prompt} tokens, "
+          f"decode {args.gen} tokens greedily, best of {args.repeats}")
+    print(f"{'engine':<14}{'prefill tok/s':>15}{'decode tok/s':>14}{'prefill ratio':>15}{'decode ratio':>14}")
+    for engine, r in results.items():
+        pr = f"{r['prefill'] / anchor['prefill']:.2f}x" if anchor else "-"
+        dr = f"{r['decode'] / anchor['decode']:.2f}x" if anchor else "-"
+        print(f"{engine:<14}{r['prefill']:>15.1f}{r['decode']:>14.1f}{pr:>15}{dr:>14}")
+    if "npllama" in results:
+        r = results["npllama"]
+        print(f"npllama load {r['load_s']:.2f} s, first call {r['first_call_s']:.2f} s (compile or cache load)")
+    for n in notes:
+        print(n)
+
+
+if __name__ == "__main__":
+    main()
