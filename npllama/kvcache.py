@@ -142,6 +142,19 @@ class KVCache:
         self._lens[layer] = end
         return end
 
+    def buffers(self) -> tuple[np.ndarray, ...]:
+        """Every layer's raw buffer, for a fused kernel that writes the next position in place."""
+        return tuple(self._bufs)
+
+    def commit(self, n: int = 1) -> None:
+        """Count `n` more positions as stored in every layer: a fused kernel has written rows
+        length .. length+n-1 of every layer buffer in place (after `ensure_capacity`)."""
+        end = self.length + n
+        if len(set(self._lens)) != 1 or end > self._capacity:
+            raise ValueError(f"KVCache.commit: layers hold {sorted(set(self._lens))} positions and capacity "
+                             f"is {self._capacity}; cannot commit {n} more")
+        self._lens = [end] * self.n_layers
+
     def get(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Zero-copy views (k, v) of one layer, each (layer_length, n_kv_heads, head_dim)."""
         layer = self._check_layer(layer)

@@ -107,6 +107,7 @@ class Model:
             scale=cfg.rope_scaling_factor if cfg.rope_scaling_type == "linear" else 1.0,
             freq_factors=_f32(freqs) if freqs is not None else None)
         self._tokenizer = None
+        self._plan = None
 
     # ---- text ---------------------------------------------------------------------------
     @property
@@ -202,6 +203,12 @@ class Model:
                 raise
 
     def _forward(self, ids, positions, cache, all_logits, output):
+        if len(ids) == 1 and output == "logits":
+            if self._plan is None:
+                from .decode import DecodePlan
+                self._plan = DecodePlan(self)
+            logits = self._plan.step(int(ids[0]), int(positions[0]), cache)
+            return logits.reshape(1, -1) if all_logits else logits
         cfg = self.config
         S, H, KVH, D = len(ids), cfg.n_head, cfg.n_head_kv, cfg.head_dim
         x = self.token_embd.rows_of(ids)  # (S, n_embd) residual stream

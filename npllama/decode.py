@@ -1,0 +1,114 @@
+"""The fused decode step: one token through every layer in a single compiled call.
+
+Decoding one token is a chain of ~12 small kernels per layer. Called one by one from Python,
+their wrappers (argument checks, dispatch) cost as much as the arithmetic on a small model.
+`DecodePlan` gathers the per-layer weights once, as tuples of zero-copy views indexed by layer
+inside compiled code, and `_decode_step` runs embedding, all layers, the output norm and the
+output head without returning to Python. It writes the new key and value rows straight into
+the KV cache buffers; the caller commits them to the cache afterwards.
+"""
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from numba import njit
+
+from .attention import _MIN_CHUNK, _NO_ALIBI, _NO_MASK, _TASKS_PER_THREAD, _decode_kernel
+from .kernels import _rmsnorm, _rope, _swiglu
+from .quants import _deq_row, _matvec
+
+_WQ, _WK, _WV, _WO, _WG, _WU, _WD = range(7)
+
+
+class DecodePlan:
+    """Per-layer weights of a model, arranged for `_decode_step` (built once per model)."""
+
+    def __init__(self, model):
+        layers = model.layers
+        cfg = model.config
+
+        def weights(attr):
+            return tuple(np.ascontiguousarray(getattr(L, attr).data) for L in layers)
+
+        def stack(attr, width):
+            rows = [getattr(L, attr) for L in layers]
+            if rows[0] is None:
+                return np.zeros((len(layers), 0), np.float32)
+            return np.ascontiguousarray(np.stack(rows), dtype=np.float32).reshape(len(layers), width)
+
+        q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+        self.w = tuple(weights(a) for a in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"))
+        # codes[layer, i]: quant type of weight i (_WQ.._WD) in that layer
+        self.codes = np.array([[int(getattr(L, a).qtype) for a in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")]
+                               for L in layers], dtype=np.int64)
+        self.attn_norm = stack("attn_norm", cfg.n_embd)  # (n_layer, n_embd)
+        self.ffn_norm = stack("ffn_norm", cfg.n_embd)    # (n_layer, n_embd)
+        self.bq = stack("bq", q_dim)                     # (n_layer, q_dim) or (n_layer, 0)
+        self.bk = stack("bk", kv_dim)
+        self.bv = stack("bv", kv_dim)
+        self.model = model
+
+    def step(self, token: int, pos: int, cache) -> np.ndarray:
+        """Logits (n_vocab,) of `token` at `pos` (== cache.length); writes row `pos` of every
+        layer's K and V and commits it."""
+        m, cfg = self.model, self.model.config
+        cache.ensure_capacity(pos + 1)
+        n_chunks = max(1, min(-(-_TASKS_PER_THREAD * numba.get_num_threads() // cfg.n_head_kv),
+                              (pos + 1) // _MIN_CHUNK))
+        chunk = max(1, -(-(pos + 1) // n_chunks))
+        logits = np.empty(cfg.n_vocab, np.float32)
+        _decode_step(token, pos, chunk, m.token_embd.data, int(m.token_embd.qtype), *self.w, self.codes,
+                     self.attn_norm, self.ffn_norm, self.bq, self.bk, self.bv, cache.buffers(),
+                     m.rope.cos, m.rope.sin, m.rope.neox, np.float32(cfg.rms_eps),
+                     np.float32(1.0 / math.sqrt(cfg.head_dim)), cfg.n_head, m.output_norm,
+                     m.output.data, int(m.output.qtype), logits)
+        cache.commit(1)
+        return logits
+
+
+@njit(cache=True)
+def _decode_step(token, pos, chunk, embd, embd_code, wq, wk, wv, wo, wg, wu, wd, codes,
+                 attn_norm, ffn_norm, bq, bk, bv, kvs, cos, sin, neox, eps, scale, H,
+                 out_norm, out_w, out_code, logits):
+    n_layer, n_embd = attn_norm.shape
+    KVH, D = kvs[0].shape[1], kvs[0].shape[3]
+    n_ff = wg[0].shape[0]
+    x = np.empty((1, n_embd), np.float32)       # residual stream
+    h = np.empty((1, n_embd), np.float32)       # normed input of a block
+    tmp = np.empty((1, n_embd), np.float32)
+    q = np.empty((1, H, D), np.float32)
+    k = np.empty((1, KVH, D), np.float32)
+    v = np.empty((1, KVH, D), np.float32)
+    att = np.empty((1, H, D), np.float32)
+    gate = np.empty((1, n_ff), np.float32)
+    up = np.empty((1, n_ff), np.float32)
+    positions = np.full(1, pos, np.int64)
+    _deq_row(embd_code, embd[token], x[0])
+    for li in range(n_layer):
+        kv = kvs[li]
+        _rmsnorm(x, attn_norm[li:li + 1].reshape(n_embd), eps, h)
+        _matvec(codes[li, _WQ], wq[li], h[0], q.reshape(H * D))
+        _matvec(codes[li, _WK], wk[li], h[0], k.reshape(KVH * D))
+        _matvec(codes[li, _WV], wv[li], h[0], v.reshape(KVH * D))
+        if bq.shape[1]:
+            q.reshape(H * D)[:] += bq[li]
+            k.reshape(KVH * D)[:] += bk[li]
+            v.reshape(KVH * D)[:] += bv[li]
+        _rope(q, positions, cos, sin, neox)
+        _rope(k, positions, cos, sin, neox)
+        kv[pos, :, 0, :] = k[0]
+        kv[pos, :, 1, :] = v[0]
+        _decode_kernel(q, kv, 0, pos + 1, pos, 0, chunk, scale, np.float32(0.0), _NO_MASK, False,
+                       _NO_ALIBI, False, att)
+        _matvec(codes[li, _WO], wo[li], att.reshape(H * D), tmp[0])
+        x += tmp
+        _rmsnorm(x, ffn_norm[li:li + 1].reshape(n_embd), eps, h)
+        _matvec(codes[li, _WG], wg[li], h[0], gate[0])
+        _matvec(codes[li, _WU], wu[li], h[0], up[0])
+        _swiglu(gate, up, gate)
+        _matvec(codes[li, _WD], wd[li], gate[0], tmp[0])
+        x += tmp
+    _rmsnorm(x, out_norm, eps, h)
+    _matvec(out_code, out_w, h[0], logits)
