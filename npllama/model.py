@@ -66,6 +66,9 @@ def _f32(t: TensorInfo) -> np.ndarray:
     return quants.dequantize(t.data, t.qtype).reshape(t.shape)
 
 
+PREFILL_CHUNK = 512  # tokens per forward chunk of a long prompt
+
+
 class Model:
     """A loaded GGUF model. Cheap to create: weights stay memory-mapped until used.
 
@@ -197,7 +200,13 @@ class Model:
         blas = single_threaded_blas() if len(ids) > 1 else contextlib.nullcontext()
         with using_threads(check_threads(threads) or self.threads), blas:
             try:
-                return self._forward(ids, positions, cache, all_logits, output)
+                # long prompts run in chunks, which bounds the activations' memory
+                outs = [self._forward(ids[i:i + PREFILL_CHUNK], positions[i:i + PREFILL_CHUNK], cache,
+                                      all_logits, output)
+                        for i in range(0, len(ids), PREFILL_CHUNK)]
+                if output == "logits" and not all_logits:
+                    return outs[-1]
+                return outs[0] if len(outs) == 1 else np.concatenate(outs)
             except BaseException:
                 cache.truncate(pos)
                 raise

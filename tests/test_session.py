@@ -136,3 +136,16 @@ def test_error_mid_forward_leaves_cache_unchanged(model, monkeypatch):
     monkeypatch.setattr(mm, "attend", real)
     assert s.pos == 3 and all(s.cache.layer_length(i) == 3 for i in range(model.config.n_layer))
     np.testing.assert_allclose(s.feed([4, 5]), model.session().feed([1, 2, 3, 4, 5]), rtol=1e-5, atol=1e-6)
+
+
+def test_long_prompt_runs_in_chunks_with_the_same_result(model, monkeypatch):
+    import npllama.model as mm
+    ids = [int(i) for i in np.random.default_rng(3).integers(0, model.config.n_vocab, 23)]
+    whole = model.session().feed(ids, all_logits=True)
+    monkeypatch.setattr(mm, "PREFILL_CHUNK", 5)
+    s = model.session()
+    np.testing.assert_allclose(s.feed(ids, all_logits=True), whole, rtol=1e-4, atol=1e-5)
+    assert s.pos == 23
+    np.testing.assert_allclose(model.session().feed(ids), whole[-1], rtol=1e-4, atol=1e-5)
+    hidden = model.forward(ids, 0, model.new_cache(), output="hidden")
+    assert hidden.shape == (23, model.config.n_embd)
