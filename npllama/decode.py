@@ -16,7 +16,7 @@ import numpy as np
 from numba import njit
 
 from .attention import _MIN_CHUNK, _NO_ALIBI, _NO_MASK, _TASKS_PER_THREAD, _decode_kernel
-from .kernels import _rmsnorm, _rope, _swiglu
+from .kernels import _rmsnorm_row, _rope_row, _swiglu_row
 from .quants import _deq_row, _matvec
 
 _WQ, _WK, _WV, _WO, _WG, _WU, _WD = range(7)
@@ -75,40 +75,41 @@ def _decode_step(token, pos, chunk, embd, embd_code, wq, wk, wv, wo, wg, wu, wd,
     n_layer, n_embd = attn_norm.shape
     KVH, D = kvs[0].shape[1], kvs[0].shape[3]
     n_ff = wg[0].shape[0]
-    x = np.empty((1, n_embd), np.float32)       # residual stream
-    h = np.empty((1, n_embd), np.float32)       # normed input of a block
-    tmp = np.empty((1, n_embd), np.float32)
+    # the small per-token steps (norms, rope, swiglu) run serially: a parallel region costs
+    # more than they do
+    x = np.empty(n_embd, np.float32)            # residual stream
+    h = np.empty(n_embd, np.float32)            # normed input of a block
+    tmp = np.empty(n_embd, np.float32)
     q = np.empty((1, H, D), np.float32)
     k = np.empty((1, KVH, D), np.float32)
     v = np.empty((1, KVH, D), np.float32)
     att = np.empty((1, H, D), np.float32)
-    gate = np.empty((1, n_ff), np.float32)
-    up = np.empty((1, n_ff), np.float32)
-    positions = np.full(1, pos, np.int64)
-    _deq_row(embd_code, embd[token], x[0])
+    gate = np.empty(n_ff, np.float32)
+    up = np.empty(n_ff, np.float32)
+    _deq_row(embd_code, embd[token], x)
     for li in range(n_layer):
         kv = kvs[li]
-        _rmsnorm(x, attn_norm[li:li + 1].reshape(n_embd), eps, h)
-        _matvec(codes[li, _WQ], wq[li], h[0], q.reshape(H * D))
-        _matvec(codes[li, _WK], wk[li], h[0], k.reshape(KVH * D))
-        _matvec(codes[li, _WV], wv[li], h[0], v.reshape(KVH * D))
+        _rmsnorm_row(x, attn_norm[li], eps, h)
+        _matvec(codes[li, _WQ], wq[li], h, q.reshape(H * D))
+        _matvec(codes[li, _WK], wk[li], h, k.reshape(KVH * D))
+        _matvec(codes[li, _WV], wv[li], h, v.reshape(KVH * D))
         if bq.shape[1]:
             q.reshape(H * D)[:] += bq[li]
             k.reshape(KVH * D)[:] += bk[li]
             v.reshape(KVH * D)[:] += bv[li]
-        _rope(q, positions, cos, sin, neox)
-        _rope(k, positions, cos, sin, neox)
+        _rope_row(q[0], pos, cos, sin, neox)
+        _rope_row(k[0], pos, cos, sin, neox)
         kv[pos, :, 0, :] = k[0]
         kv[pos, :, 1, :] = v[0]
         _decode_kernel(q, kv, 0, pos + 1, pos, 0, chunk, scale, np.float32(0.0), _NO_MASK, False,
                        _NO_ALIBI, False, att)
-        _matvec(codes[li, _WO], wo[li], att.reshape(H * D), tmp[0])
+        _matvec(codes[li, _WO], wo[li], att.reshape(H * D), tmp)
         x += tmp
-        _rmsnorm(x, ffn_norm[li:li + 1].reshape(n_embd), eps, h)
-        _matvec(codes[li, _WG], wg[li], h[0], gate[0])
-        _matvec(codes[li, _WU], wu[li], h[0], up[0])
-        _swiglu(gate, up, gate)
-        _matvec(codes[li, _WD], wd[li], gate[0], tmp[0])
+        _rmsnorm_row(x, ffn_norm[li], eps, h)
+        _matvec(codes[li, _WG], wg[li], h, gate)
+        _matvec(codes[li, _WU], wu[li], h, up)
+        _swiglu_row(gate, up, gate)
+        _matvec(codes[li, _WD], wd[li], gate, tmp)
         x += tmp
-    _rmsnorm(x, out_norm, eps, h)
-    _matvec(out_code, out_w, h[0], logits)
+    _rmsnorm_row(x, out_norm, eps, h)
+    _matvec(out_code, out_w, h, logits)

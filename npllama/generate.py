@@ -12,7 +12,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .errors import ContextOverflowError
-from .sampling import GREEDY, Sampler, SamplingParams, make_sampler
+from .sampling import GREEDY, Sampler, make_sampler
 from .tokenizer import StreamDecoder
 
 
@@ -149,11 +149,3 @@ def stream(session, prompt_ids: Sequence[int], **kw) -> Iterator[str]:
     except StopIteration as end:
         if end.value[1]:
             yield end.value[1]
-
-
-def sampler_from(params: SamplingParams | None, **overrides) -> Sampler:
-    """A sampler from `params` (default: llama.cpp's defaults) with keyword overrides applied."""
-    base = params or SamplingParams()
-    if overrides:
-        base = SamplingParams(**{**base.__dict__, **overrides})
-    return make_sampler(base)

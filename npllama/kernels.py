@@ -13,17 +13,23 @@ from .errors import ContextOverflowError
 _FM = {"contract", "arcp", "nsz", "reassoc"}  # never nnan/ninf: infinities must survive
 
 
+@njit(cache=True, fastmath=_FM)
+def _rmsnorm_row(x, w, eps, out):
+    # x, w, out: (n,)
+    n = x.shape[0]
+    acc = 0.0
+    for i in range(n):
+        acc += np.float64(x[i]) * x[i]
+    r = np.float32(1.0 / np.sqrt(acc / n + eps))
+    for i in range(n):
+        out[i] = (x[i] * r) * w[i]
+
+
 @njit(parallel=True, cache=True, fastmath=_FM)
 def _rmsnorm(x, w, eps, out):
     # x, out: (S, n); w: (n,)
-    n = x.shape[1]
     for s in prange(x.shape[0]):
-        acc = 0.0
-        for i in range(n):
-            acc += np.float64(x[s, i]) * x[s, i]
-        r = np.float32(1.0 / np.sqrt(acc / n + eps))
-        for i in range(n):
-            out[s, i] = (x[s, i] * r) * w[i]
+        _rmsnorm_row(x[s], w, eps, out[s])
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
@@ -36,13 +42,19 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = N
     return res.reshape(np.shape(x))
 
 
+@njit(cache=True, fastmath=_FM)
+def _swiglu_row(gate, up, out):
+    # gate, up, out: (n,); out = silu(gate) * up
+    for i in range(gate.shape[0]):
+        g = gate[i]
+        out[i] = g / (np.float32(1.0) + np.exp(-g)) * up[i]
+
+
 @njit(parallel=True, cache=True, fastmath=_FM)
 def _swiglu(gate, up, out):
-    # gate, up, out: (S, n); out = silu(gate) * up
+    # gate, up, out: (S, n)
     for s in prange(gate.shape[0]):
-        for i in range(gate.shape[1]):
-            g = gate[s, i]
-            out[s, i] = g / (np.float32(1.0) + np.exp(-g)) * up[s, i]
+        _swiglu_row(gate[s], up[s], out[s])
 
 
 def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -102,23 +114,28 @@ class RopeTable:
         return x
 
 
+@njit(cache=True, fastmath=_FM)
+def _rope_row(x, p, cos, sin, neox):
+    # x: (H, D) of one token at position p, rotated in place; cos, sin: (n_ctx, rope_dim // 2)
+    half = cos.shape[1]
+    for h in range(x.shape[0]):
+        for i in range(half):
+            c = cos[p, i]
+            sn = sin[p, i]
+            if neox:
+                a = x[h, i]
+                b = x[h, i + half]
+                x[h, i] = a * c - b * sn
+                x[h, i + half] = a * sn + b * c
+            else:
+                a = x[h, 2 * i]
+                b = x[h, 2 * i + 1]
+                x[h, 2 * i] = a * c - b * sn
+                x[h, 2 * i + 1] = a * sn + b * c
+
+
 @njit(parallel=True, cache=True, fastmath=_FM)
 def _rope(x, positions, cos, sin, neox):
-    # x: (S, H, D) rotated in place; cos, sin: (n_ctx, rope_dim // 2)
-    half = cos.shape[1]
+    # x: (S, H, D) rotated in place
     for s in prange(x.shape[0]):
-        p = positions[s]
-        for h in range(x.shape[1]):
-            for i in range(half):
-                c = cos[p, i]
-                sn = sin[p, i]
-                if neox:
-                    a = x[s, h, i]
-                    b = x[s, h, i + half]
-                    x[s, h, i] = a * c - b * sn
-                    x[s, h, i + half] = a * sn + b * c
-                else:
-                    a = x[s, h, 2 * i]
-                    b = x[s, h, 2 * i + 1]
-                    x[s, h, 2 * i] = a * c - b * sn
-                    x[s, h, 2 * i + 1] = a * sn + b * c
+        _rope_row(x[s], positions[s], cos, sin, neox)

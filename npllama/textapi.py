@@ -9,8 +9,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .chat import validate_messages
-from .generate import Completion, check_max_tokens, complete, fit_prompt, stream
+from .generate import Completion, check_max_tokens, complete, fit_prompt, stream as stream_text
 from .progress import Progress
 from .sampling import SamplingParams, make_sampler
 
@@ -26,49 +25,43 @@ def _prompt_ids(model, prompt) -> list[int]:
     return [int(i) for i in ids]
 
 
-def _split_options(options: dict) -> tuple[SamplingParams, dict]:
-    """Sampling keywords (temperature, top_k, ..., seed) become SamplingParams; the rest stays."""
-    sampling = {k: options.pop(k) for k in list(options) if k in _SAMPLING_KEYS}
-    params = options.pop("sampling", None) or SamplingParams()
-    return SamplingParams(**{**params.__dict__, **sampling}), options
-
-
-def complete_text(model, prompt, *, max_tokens: int = 256, stop: Sequence[str] = (), logprobs: int = 0,
-                  truncate: bool = False, ctx: int | None = None, session=None, **options) -> Completion:
+def complete_text(model, prompt, *, max_tokens: int = 256, stop: str | Sequence[str] = (), logprobs: int = 0,
+                  truncate: bool = False, ctx: int | None = None, session=None,
+                  sampling: SamplingParams | None = None, **sampling_options) -> Completion:
     """Generate a continuation of `prompt` and return a Completion (text, tokens, finish reason).
 
     Sampling keywords (temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
-    presence_penalty, frequency_penalty, logit_bias, seed) default to llama.cpp's.
-    `truncate=True` keeps the tail of a prompt that would not fit the context.
+    presence_penalty, frequency_penalty, logit_bias, seed) override `sampling`, whose defaults
+    are llama.cpp's. `truncate=True` keeps the tail of a prompt that would not fit the context.
+    `session` continues an existing session instead of starting a new one.
     """
-    return _run(model, prompt, complete, max_tokens, stop, logprobs, truncate, ctx, session, options)
+    return _run(model, prompt, complete, max_tokens, stop, logprobs, truncate, ctx, session, sampling,
+                sampling_options)
 
 
-def generate(model, prompt, *, max_tokens: int = 256, stream: bool = False, **options) -> str | Iterator[str]:
-    """The text generated after `prompt`; with `stream=True`, an iterator of text pieces."""
+def generate(model, prompt, *, max_tokens: int = 256, stream: bool = False, stop: str | Sequence[str] = (),
+             logprobs: int = 0, truncate: bool = False, ctx: int | None = None, session=None,
+             sampling: SamplingParams | None = None, **sampling_options) -> str | Iterator[str]:
+    """The text generated after `prompt`; with `stream=True`, an iterator of text pieces.
+    The options are those of `complete`."""
     if stream:
-        return _stream(model, prompt, max_tokens, options)
-    return complete_text(model, prompt, max_tokens=max_tokens, **options).text
+        return _run(model, prompt, stream_text, max_tokens, stop, logprobs, truncate, ctx, session, sampling,
+                    sampling_options)
+    return _run(model, prompt, complete, max_tokens, stop, logprobs, truncate, ctx, session, sampling,
+                sampling_options).text
 
 
-def _stream(model, prompt, max_tokens, options):
-    stop, logprobs = options.pop("stop", ()), options.pop("logprobs", 0)
-    truncate, ctx, session = options.pop("truncate", False), options.pop("ctx", None), options.pop("session", None)
-    return _run(model, prompt, stream, max_tokens, stop, logprobs, truncate, ctx, session, options)
-
-
-def _run(model, prompt, runner, max_tokens, stop, logprobs, truncate, ctx, session, options):
-    params, rest = _split_options(dict(options))
-    if rest:
-        raise TypeError(f"unexpected keyword arguments: {', '.join(sorted(rest))}")
+def _run(model, prompt, runner, max_tokens, stop, logprobs, truncate, ctx, session, sampling, options):
+    unknown = set(options) - _SAMPLING_KEYS
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments: {', '.join(sorted(unknown))}")
+    params = SamplingParams(**{**(sampling or SamplingParams()).__dict__, **options})
     check_max_tokens(max_tokens)
-    if isinstance(stop, str):
-        stop = [stop]
     ids = _prompt_ids(model, prompt)
     session = session if session is not None else model.session(ctx=ctx)
     ids = fit_prompt(ids, session.ctx - session.pos, max_tokens, truncate)
-    return runner(session, ids, max_tokens=max_tokens, sampler=make_sampler(params), stop=stop,
-                  logprobs=logprobs)
+    return runner(session, ids, max_tokens=max_tokens, sampler=make_sampler(params),
+                  stop=[stop] if isinstance(stop, str) else stop, logprobs=logprobs)
 
 
 def chat(model, messages: list[dict], **options) -> str | Iterator[str]:
