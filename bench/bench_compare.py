@@ -72,25 +72,15 @@ def run_ref(py, engine, path, ids, gen, threads, repeats):
     return json.loads(r.stdout.strip().splitlines()[-1]), None
 
 
-def run_npllama(path, ids, gen, threads, repeats, **load_kw):
+def run_npllama(path, ids, gen, threads, repeats):
     import npllama
+    from npllama.bench import run_bench
     t0 = time.perf_counter()
-    model = npllama.Model(path, threads=threads, **load_kw)
+    model = npllama.Model(path, threads=threads)
     load_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    model.session().feed(ids[:2])
-    first_s = time.perf_counter() - t0
-    best_p = best_d = 0.0
-    for _ in range(repeats):
-        s = model.session()
-        t0 = time.perf_counter()
-        logits = s.feed(ids)
-        t1 = time.perf_counter()
-        for _ in range(gen):
-            logits = s.feed([int(np.argmax(logits))])
-        t2 = time.perf_counter()
-        best_p, best_d = max(best_p, len(ids) / (t1 - t0)), max(best_d, gen / (t2 - t1))
-    return {"prefill": best_p, "decode": best_d, "load_s": load_s, "first_call_s": first_s}
+    r = run_bench(model, ids=ids, gen_tokens=gen, repeats=repeats)
+    return {"prefill": r["prefill_tok_s"], "decode": r["decode_tok_s"], "load_s": load_s,
+            "first_call_s": r["first_call_s"]}
 
 
 def main():

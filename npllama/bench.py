@@ -7,11 +7,14 @@ import time
 import numpy as np
 
 
-def run_bench(model, *, prompt_tokens: int = 128, gen_tokens: int = 64, repeats: int = 3) -> dict:
-    """Best-of-`repeats` prefill and decode speed; the first call (compile or cache load) apart."""
+def run_bench(model, *, prompt_tokens: int = 128, gen_tokens: int = 64, repeats: int = 3, ids=None) -> dict:
+    """Best-of-`repeats` prefill and decode speed; the first call (compile or cache load) apart.
+    The prompt is `ids`, or `prompt_tokens` fixed pseudo-random ids."""
     if prompt_tokens < 1 or gen_tokens < 1 or repeats < 1:
         raise ValueError("prompt_tokens, gen_tokens and repeats must be positive")
-    ids = np.random.default_rng(0).integers(100, model.config.n_vocab - 100, prompt_tokens)
+    if ids is None:
+        ids = np.random.default_rng(0).integers(100, model.config.n_vocab - 100, prompt_tokens)
+    prompt_tokens = len(ids)
     t0 = time.perf_counter()
     warm = model.session()
     warm.feed(ids[:2])
