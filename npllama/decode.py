@@ -13,13 +13,14 @@ import math
 
 import numba
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from .attention import _MIN_CHUNK, _NO_ALIBI, _NO_MASK, _TASKS_PER_THREAD, _decode_kernel
 from .kernels import _rmsnorm_row, _rope_row, _swiglu_row
-from .quants import _deq_row, _matvec
+from .quants import _Q4_0, _Q4_1, _Q8_0, _deq_row, _dot_row_q4_0, _dot_row_q4_1, _dot_row_q8_0, _matvec
 
 _WQ, _WK, _WV, _WO, _WG, _WU, _WD = range(7)
+_FM = {"contract", "arcp", "nsz", "reassoc"}
 
 
 class DecodePlan:
@@ -69,6 +70,68 @@ class DecodePlan:
 
 
 @njit(cache=True)
+def _has_row_dot(code):
+    return code == _Q4_1 or code == _Q8_0 or code == _Q4_0
+
+
+@njit(cache=True)
+def _block_sums(x):
+    """Sums of x over its 32-element blocks (the Q4_1 min term needs them)."""
+    nb = x.shape[0] // 32
+    out = np.empty(nb, np.float32)
+    for b in range(nb):
+        acc = np.float32(0.0)
+        for j in range(32):
+            acc += x[b * 32 + j]
+        out[b] = acc
+    return out
+
+
+@njit(cache=True)
+def _row_dot(code, row, x, xsum):
+    nb = x.shape[0] // 32
+    if code == _Q4_1:
+        return _dot_row_q4_1(row, x, xsum, nb)
+    if code == _Q8_0:
+        return _dot_row_q8_0(row, x, nb)
+    return _dot_row_q4_0(row, x, nb)
+
+
+@njit(parallel=True, cache=True)
+def _qkv(cq, wq, ck, wk, cv, wv, x, q, k, v):
+    """q, k, v = Wq x, Wk x, Wv x in one parallel region over all their rows."""
+    if not (_has_row_dot(cq) and _has_row_dot(ck) and _has_row_dot(cv)):
+        _matvec(cq, wq, x, q)
+        _matvec(ck, wk, x, k)
+        _matvec(cv, wv, x, v)
+        return
+    xsum = _block_sums(x)
+    nq, nk = wq.shape[0], wk.shape[0]
+    for r in prange(nq + 2 * nk):
+        if r < nq:
+            q[r] = _row_dot(cq, wq[r], x, xsum)
+        elif r < nq + nk:
+            k[r - nq] = _row_dot(ck, wk[r - nq], x, xsum)
+        else:
+            v[r - nq - nk] = _row_dot(cv, wv[r - nq - nk], x, xsum)
+
+
+@njit(parallel=True, cache=True, fastmath=_FM)
+def _gate_up(cg, wg, cu, wu, x, out):
+    """out = silu(Wg x) * (Wu x) in one parallel region (or three kernels for other types)."""
+    if not (_has_row_dot(cg) and _has_row_dot(cu)):
+        up = np.empty_like(out)
+        _matvec(cg, wg, x, out)
+        _matvec(cu, wu, x, up)
+        _swiglu_row(out, up, out)
+        return
+    xsum = _block_sums(x)
+    for r in prange(wg.shape[0]):
+        g = _row_dot(cg, wg[r], x, xsum)
+        out[r] = g / (np.float32(1.0) + np.exp(-g)) * _row_dot(cu, wu[r], x, xsum)
+
+
+@njit(cache=True)
 def _decode_step(token, pos, chunk, embd, embd_code, wq, wk, wv, wo, wg, wu, wd, codes,
                  attn_norm, ffn_norm, bq, bk, bv, kvs, cos, sin, neox, eps, scale, H,
                  out_norm, out_w, out_code, logits):
@@ -85,14 +148,12 @@ def _decode_step(token, pos, chunk, embd, embd_code, wq, wk, wv, wo, wg, wu, wd,
     v = np.empty((1, KVH, D), np.float32)
     att = np.empty((1, H, D), np.float32)
     gate = np.empty(n_ff, np.float32)
-    up = np.empty(n_ff, np.float32)
     _deq_row(embd_code, embd[token], x)
     for li in range(n_layer):
         kv = kvs[li]
         _rmsnorm_row(x, attn_norm[li], eps, h)
-        _matvec(codes[li, _WQ], wq[li], h, q.reshape(H * D))
-        _matvec(codes[li, _WK], wk[li], h, k.reshape(KVH * D))
-        _matvec(codes[li, _WV], wv[li], h, v.reshape(KVH * D))
+        _qkv(codes[li, _WQ], wq[li], codes[li, _WK], wk[li], codes[li, _WV], wv[li], h,
+             q.reshape(H * D), k.reshape(KVH * D), v.reshape(KVH * D))
         if bq.shape[1]:
             q.reshape(H * D)[:] += bq[li]
             k.reshape(KVH * D)[:] += bk[li]
@@ -106,9 +167,7 @@ def _decode_step(token, pos, chunk, embd, embd_code, wq, wk, wv, wo, wg, wu, wd,
         _matvec(codes[li, _WO], wo[li], att.reshape(H * D), tmp)
         x += tmp
         _rmsnorm_row(x, ffn_norm[li], eps, h)
-        _matvec(codes[li, _WG], wg[li], h, gate)
-        _matvec(codes[li, _WU], wu[li], h, up)
-        _swiglu_row(gate, up, gate)
+        _gate_up(codes[li, _WG], wg[li], codes[li, _WU], wu[li], h, gate)
         _matvec(codes[li, _WD], wd[li], gate, tmp)
         x += tmp
     _rmsnorm_row(x, out_norm, eps, h)

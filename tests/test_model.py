@@ -52,3 +52,13 @@ def test_qwen2_biases_and_neox_rope(tmp_path):
 
 def test_single_token(tiny_model_path):
     check(tiny_model_path, ids=[42])
+
+
+@pytest.mark.parametrize("qtype", [QT.F32, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0])
+def test_token_by_token_decode_matches_reference(tmp_path, qtype):
+    """The fused single-token decode path, for each family of product kernels."""
+    m = npllama.Model(write_tiny_llama(tmp_path / "m.gguf", qtype=qtype))
+    ref = naive.forward(m.file, IDS)
+    s = m.session()
+    got = np.stack([s.feed([t]) for t in IDS])
+    assert np.abs(got - ref).max() <= 2e-4 * np.abs(ref).max()
