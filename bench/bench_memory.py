@@ -1,0 +1,50 @@
+"""Peak memory of a long session: the model file, the KV cache, and everything else.
+
+    python bench/bench_memory.py [--tokens 4096] [--model PATH]
+
+Prints peak RSS (which counts the memory-mapped weights once they are read), the model file
+size, the KV cache size, the runtime's own footprint (Python, NumPy, Numba and its LLVM JIT,
+measured before the model is touched), and what is left over. Never a pass/fail test.
+"""
+import argparse
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def rss_mib() -> float:
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--model")
+    args = ap.parse_args()
+    import npllama
+    from npllama import quants
+    quants.dequantize(np.zeros((1, 34), np.uint8), 8)  # start Numba's JIT: part of the runtime
+    runtime = rss_mib()
+    m = npllama.load(args.model)
+    s = m.session()
+    ids = np.random.default_rng(0).integers(100, m.config.n_vocab - 100, args.tokens)
+    t0 = time.perf_counter()
+    s.feed(ids[:-1])
+    s.feed(ids[-1:])
+    dt = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    file_mib = os.path.getsize(m.path) / 2**20
+    kv = s.cache.nbytes / 2**20
+    print(f"{args.tokens}-token session ({dt:.1f} s): peak RSS {peak:.0f} MiB = model file {file_mib:.0f} "
+          f"+ KV cache {kv:.0f} (capacity {s.cache.capacity}) + runtime {runtime:.0f} "
+          f"+ other {peak - file_mib - kv - runtime:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()
