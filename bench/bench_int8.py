@@ -1,0 +1,140 @@
+"""Decode products with int8 activations (npllama.quants_int8) against the float32-activation
+kernels (npllama.quants._matvec), in GB/s of weight bytes read.
+
+For the default model's weight shapes and types (as bench/bench_kernels.py), each pass runs one
+product per copy of the matrix, cycling over enough copies that the weights come from DRAM,
+from inside compiled code as the fused decode step calls them (no Python dispatch per call).
+The int8 column includes quantizing x, once per `share` products as the decode step does
+(q/k/v share the normed input, gate/up too; o, down and the output head have their own x).
+Reported: median over passes of the mean time per product.
+
+Usage: python bench/bench_int8.py [--threads N] [--min-mb MB] [--repeats R]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import numba
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from gguf.quants import quantize
+from numba import njit
+
+from npllama import quants, quants_int8
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+try:
+    from bench_kernels import read_bandwidth
+except ImportError:  # pragma: no cover - bench_kernels moved: minimal replica
+    from numba import prange
+
+    @njit(parallel=True, fastmath={"reassoc", "contract", "nsz", "arcp"})
+    def _sum(a):
+        s = np.float32(0.0)
+        for i in prange(a.shape[0]):
+            s += a[i]
+        return s
+
+    def read_bandwidth(mb: int, repeats: int) -> float:
+        a = np.ones(mb * (1 << 20) // 4, np.float32)
+        _sum(a)
+        best = math.inf
+        for _ in range(repeats):
+            t = time.perf_counter()
+            _sum(a)
+            best = min(best, time.perf_counter() - t)
+        return a.nbytes / best / 1e9
+
+SHAPES = [  # (what, type, rows = out features, cols = in features, products sharing one x)
+    ("attn q, 576x576", QT.Q4_1, 576, 576, 3),
+    ("attn o, 576x576", QT.Q4_1, 576, 576, 1),
+    ("attn k/v, 192x576", QT.Q4_1, 192, 576, 3),
+    ("ffn gate/up, 1536x576", QT.Q4_1, 1536, 576, 2),
+    ("ffn down, 576x1536", QT.Q4_1, 576, 1536, 1),
+    ("output, 49152x576", QT.Q8_0, 49152, 576, 1),
+]
+
+
+# not cached: numba's cache does not notice changes in the kernels these call
+@njit
+def _pass_f32(code, ws, x, out):
+    for i in range(ws.shape[0]):
+        quants._matvec(code, ws[i], x, out)
+
+
+@njit
+def _pass_i8(code, ws, x, qs, d, s, out, share):
+    for i in range(ws.shape[0]):
+        if i % share == 0:
+            quants_int8._quantize_x_q8(x, qs, d, s)
+        quants_int8._matvec_i8(code, ws[i], x, qs, d, s, out)
+
+
+@njit
+def _pass_quantize(x, qs, d, s, k):
+    for _ in range(k):
+        quants_int8._quantize_x_q8(x, qs, d, s)
+
+
+def bench_shape(qtype: QT, rows: int, cols: int, share: int, min_mb: int, repeats: int):
+    """(weight MB, f32 µs, int8 µs, quantize µs) per product."""
+    rng = np.random.default_rng(0)
+    w = quantize(rng.normal(0.0, 0.02, (rows, cols)).astype(np.float32), qtype)
+    copies = max(2, math.ceil(min_mb * (1 << 20) / w.nbytes))
+    copies = -(-copies // share) * share
+    ws = np.empty((copies,) + w.shape, np.uint8)
+    ws[:] = w
+    x = rng.normal(0.0, 1.0, cols).astype(np.float32)
+    out = np.empty(rows, np.float32)
+    qs = np.empty(cols, np.int8)
+    d = np.empty(cols // 32, np.float32)
+    s = np.empty(cols // 32, np.float32)
+    code = int(qtype)
+    runs = {"f32": lambda: _pass_f32(code, ws, x, out),
+            "i8": lambda: _pass_i8(code, ws, x, qs, d, s, out, share)}
+    times = {k: [] for k in runs}
+    for fn in runs.values():
+        fn()
+    for _ in range(repeats):      # interleaved, so drifting load hits both alike
+        for k, fn in runs.items():
+            t = time.perf_counter()
+            fn()
+            times[k].append((time.perf_counter() - t) / copies)
+    k = 10000
+    _pass_quantize(x, qs, d, s, 1)
+    t = time.perf_counter()
+    _pass_quantize(x, qs, d, s, k)
+    t_q = (time.perf_counter() - t) / k
+    return (w.nbytes / 1e6, float(np.median(times["f32"])) * 1e6, float(np.median(times["i8"])) * 1e6, t_q * 1e6)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2, help="Numba threads (default 2)")
+    ap.add_argument("--min-mb", type=int, default=128,
+                    help="total MB of weight copies cycled per shape, well above the last-level cache (default 128)")
+    ap.add_argument("--repeats", type=int, default=7, help="passes over the copies (default 7)")
+    args = ap.parse_args()
+    numba.set_num_threads(args.threads)
+
+    load = os.getloadavg()[0]
+    if load > os.cpu_count() - 0.5:
+        print(f"warning: load average {load:.1f} on {os.cpu_count()} CPUs; other processes will skew the timings")
+    bw = read_bandwidth(512, args.repeats)
+    print(f"threads: {args.threads}   vpdpbusd: {quants_int8.VNNI}   "
+          f"read bandwidth (parallel sum, 512 MB float32): {bw:.1f} GB/s\n")
+    print(f"{'matrix':<24}{'type':<6}{'MB':>6}{'share':>6}{'f32 us':>9}{'GB/s':>7}"
+          f"{'int8 us':>9}{'GB/s':>7}{'of bw':>7}{'int8/f32':>9}{'quant x us':>11}")
+    for what, qtype, rows, cols, share in SHAPES:
+        mb, t32, t8, tq = bench_shape(qtype, rows, cols, share, args.min_mb, args.repeats)
+        g32, g8 = mb * 1e3 / t32, mb * 1e3 / t8
+        print(f"{what:<24}{qtype.name:<6}{mb:>6.2f}{share:>6}{t32:>9.1f}{g32:>7.1f}"
+              f"{t8:>9.1f}{g8:>7.1f}{g8 / bw:>7.0%}{g8 / g32:>9.2f}{tq:>11.2f}")
+
+
+if __name__ == "__main__":
+    main()
