@@ -80,7 +80,11 @@ class Model:
     A single Session must not be used from two threads at the same time.
     """
 
-    def __init__(self, path: str | os.PathLike, *, threads: int | None = None):
+    def __init__(self, path: str | os.PathLike, *, threads: int | None = None, activations: str = "f32"):
+        if activations not in ("f32", "int8"):
+            raise ValueError(f"activations must be 'f32' (exact, the default) or 'int8' (faster decode, "
+                             f"activations quantized per block as llama.cpp does), got {activations!r}")
+        self.activations = activations
         self.file = GGUFFile(path)
         self.path = self.file.path
         self.config: ModelConfig = self.file.config
@@ -218,7 +222,7 @@ class Model:
         if len(ids) == 1 and output == "logits":
             if self._plan is None:
                 from .decode import DecodePlan
-                self._plan = DecodePlan(self)
+                self._plan = DecodePlan(self, int8=self.activations == "int8")
             logits = self._plan.step(int(ids[0]), int(positions[0]), cache)
             return logits.reshape(1, -1) if all_logits else logits
         # Prefill: the products split their rows over `threads` workers of their own, so
@@ -253,7 +257,12 @@ class Model:
         return logits if all_logits else logits[0]
 
 
-def load(path: str | os.PathLike | None = None, *, threads: int | None = None) -> Model:
-    """Load a GGUF model: `path`, else $NPLLAMA_MODEL, else the default model (fetched once)."""
+def load(path: str | os.PathLike | None = None, *, threads: int | None = None, activations: str = "f32") -> Model:
+    """Load a GGUF model: `path`, else $NPLLAMA_MODEL, else the default model (fetched once).
+
+    `activations="int8"` quantizes decode activations to int8 blocks for integer dot products
+    (faster, as llama.cpp does, and no longer exact); the default "f32" keeps them float32 and
+    dequantizes the weights exactly inside the products. Prefill is exact in both modes.
+    """
     from .hub import resolve_model
-    return Model(resolve_model(path), threads=threads)
+    return Model(resolve_model(path), threads=threads, activations=activations)

@@ -20,16 +20,28 @@ FIX = Path(__file__).parent / "fixtures"
 VARIANTS = {"q4_1": None, "q8_0": QT.Q8_0, "f16": QT.F16}
 
 
+@pytest.fixture(scope="module")
+def variant_path(default_model_path, tmp_path_factory):
+    """The GGUF of a variant: the default model, or its re-quantization (made once)."""
+    made = {}
+
+    def get(name):
+        if VARIANTS[name] is None:
+            return default_model_path
+        if name not in made:
+            made[name] = requantize(default_model_path, tmp_path_factory.mktemp(name) / f"smol-{name}.gguf",
+                                    VARIANTS[name])
+        return made[name]
+    return get
+
+
 @pytest.fixture(scope="module", params=list(VARIANTS))
-def variant(request, default_model_path, tmp_path_factory):
-    name, qtype = request.param, VARIANTS[request.param]
+def variant(request, variant_path):
+    name = request.param
     fixture = FIX / f"fidelity_{name}.npz"
     if not fixture.exists():
         pytest.skip(f"{fixture.name} not generated")
-    path = default_model_path
-    if qtype is not None:
-        path = requantize(default_model_path, tmp_path_factory.mktemp(name) / f"smol-{name}.gguf", qtype)
-    return name, npllama.Model(path), np.load(fixture)
+    return name, npllama.Model(variant_path(name)), np.load(fixture)
 
 
 def _texts(fix):
@@ -86,3 +98,20 @@ def test_greedy_follows_reference_as_long_as_llama_cpp(variant):
         print(f"\n{name} chat {key}: npllama follows HF for {agree(ours)} tokens, "
               f"llama.cpp for {agree(g['llama_cpp'])} (of {len(g['hf'])})")
         assert agree(ours) >= agree(g["llama_cpp"])
+
+
+@pytest.mark.parametrize("name", ["q4_1", "q8_0"])
+def test_int8_decode_fidelity(name, variant_path):
+    """The opt-in int8-activation mode, token by token through the decode path: top-1 agreement
+    with HF float32 is reported and must stay at least where llama.cpp's is (95-99%)."""
+    fix = np.load(FIX / f"fidelity_{name}.npz")
+    model = npllama.Model(variant_path(name), activations="int8")
+    agree = total = 0
+    for text in _texts(fix):
+        ids = fix[f"{text}/ids"]
+        s = model.session()
+        top1 = [int(np.argmax(s.feed([t]))) for t in ids]
+        agree += int((np.array(top1) == fix[f"{text}/top_ids"][:, 0]).sum())
+        total += len(ids)
+    print(f"\nint8 activations, {name}: top-1 agreement with HF float32 {agree}/{total} = {agree / total:.2%}")
+    assert agree / total >= 0.95
