@@ -4,6 +4,8 @@ ratios to llama.cpp. Never a pass/fail test.
 
     python bench/bench_compare.py [--model PATH] [--quant q8_0] [--threads 2]
 
+npllama runs twice: the default exact mode, and the opt-in int8-activation mode (npllama-int8).
+
 The references run in their own python (the venv of ../shared/tools/setup-refs.sh, or
 $NPLLAMA_REF_PY); each is skipped with a note when it is not installed there.
 """
@@ -72,11 +74,11 @@ def run_ref(py, engine, path, ids, gen, threads, repeats):
     return json.loads(r.stdout.strip().splitlines()[-1]), None
 
 
-def run_npllama(path, ids, gen, threads, repeats):
+def run_npllama(path, ids, gen, threads, repeats, activations="f32"):
     import npllama
     from npllama.bench import run_bench
     t0 = time.perf_counter()
-    model = npllama.Model(path, threads=threads)
+    model = npllama.Model(path, threads=threads, activations=activations)
     load_s = time.perf_counter() - t0
     r = run_bench(model, ids=ids, gen_tokens=gen, repeats=repeats)
     return {"prefill": r["prefill_tok_s"], "decode": r["decode_tok_s"], "load_s": load_s,
@@ -91,7 +93,7 @@ def main():
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--engines", default="npllama,llama.cpp,transformers")
+    ap.add_argument("--engines", default="npllama,npllama-int8,llama.cpp,transformers")
     args = ap.parse_args()
 
     from npllama.hub import resolve_model
@@ -106,8 +108,9 @@ def main():
     results, notes = {}, []
     py = ref_python()
     for engine in engines:
-        if engine == "npllama":
-            results[engine] = run_npllama(path, ids, args.gen, args.threads, args.repeats)
+        if engine in ("npllama", "npllama-int8"):
+            results[engine] = run_npllama(path, ids, args.gen, args.threads, args.repeats,
+                                          "int8" if engine == "npllama-int8" else "f32")
         elif py is None:
             notes.append(f"{engine}: skipped (no references' python; run ../shared/tools/setup-refs.sh)")
         else:
@@ -125,9 +128,10 @@ def main():
         pr = f"{r['prefill'] / anchor['prefill']:.2f}x" if anchor else "-"
         dr = f"{r['decode'] / anchor['decode']:.2f}x" if anchor else "-"
         print(f"{engine:<14}{r['prefill']:>15.1f}{r['decode']:>14.1f}{pr:>15}{dr:>14}")
-    if "npllama" in results:
-        r = results["npllama"]
-        print(f"npllama load {r['load_s']:.2f} s, first call {r['first_call_s']:.2f} s (compile or cache load)")
+    for engine in ("npllama", "npllama-int8"):
+        if engine in results:
+            r = results[engine]
+            print(f"{engine} load {r['load_s']:.2f} s, first call {r['first_call_s']:.2f} s (compile or cache load)")
     for n in notes:
         print(n)
 
