@@ -1,0 +1,196 @@
+"""Batched generation (continuous batching over the paged KV pool) against running the same
+prompts one by one, in npllama and in llama.cpp (llama-cpp-python); plus KV memory per cached
+token, float16-KV fidelity and the saving from shared prompt prefixes. Never a pass/fail test.
+
+    python bench/bench_batch.py [--n 16,64] [--gen 64] [--max-batch 16] [--threads 2]
+                                [--engines npllama,llama.cpp] [--model PATH]
+
+Throughput is generated tokens per second of wall time over the whole set (prefill included);
+llama.cpp runs each prompt greedily for the number of tokens npllama generated for it. The
+reference runs in its own python (the venv of ../shared/tools/setup-refs.sh, or
+$NPLLAMA_REF_PY) and is skipped with a note when llama_cpp is not installed there.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+# Runs inside the references' python: argv = gguf path, json file of {"ids": [[...]], "gen": [...]}, threads.
+REF_SCRIPT = r'''
+import json, sys, time
+import numpy as np
+from llama_cpp import Llama
+path, spec, threads = sys.argv[1], json.load(open(sys.argv[2])), int(sys.argv[3])
+ids, gens = spec["ids"], spec["gen"]
+llm = Llama(model_path=path, n_ctx=max(len(i) + g for i, g in zip(ids, gens)) + 8, n_batch=512,
+            n_threads=threads, n_threads_batch=threads, verbose=False)
+llm.reset(); llm.eval(ids[0][:4])  # warm up
+t0 = time.perf_counter()
+for p, g in zip(ids, gens):
+    llm.reset()
+    llm.eval(p)
+    for _ in range(g - 1):
+        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+print(json.dumps({"seconds": time.perf_counter() - t0}))
+'''
+
+SUBJECTS = ["the ocean", "volcanoes", "honeybees", "the Roman Empire", "black holes", "photosynthesis",
+            "jazz music", "the internet", "mountain climbing", "ancient Egypt", "electric cars", "chess",
+            "the moon", "rain forests", "coffee", "the printing press"]
+TASKS = ["Write a short poem about {}.", "Explain {} to a ten-year-old.", "List three surprising facts about {}.",
+         "Write the opening paragraph of an adventure story about {}."]
+CONTEXT = ("Please answer carefully, in plain language, and keep the answer focused: the reader is busy, "
+           "curious and new to the topic, and will read the answer on a phone during a short break. ")
+SYSTEM = ("You are a patient and precise assistant for a science museum. You answer visitors' questions "
+          "in clear, friendly English, you avoid jargon, you never invent facts, and when you are unsure "
+          "you say so. Keep answers short: two or three sentences at most, suitable for a display panel "
+          "next to an exhibit. Do not use lists or headings. Prefer concrete examples over abstractions.")
+
+
+def make_prompts(model, n: int) -> list[str]:
+    """n varied chat prompts of different lengths (deterministic)."""
+    out = []
+    for i in range(n):
+        subject, task = SUBJECTS[i % len(SUBJECTS)], TASKS[(i // len(SUBJECTS)) % len(TASKS)]
+        text = task.format(subject)
+        if i % 3 == 1:
+            text = CONTEXT + text
+        elif i % 3 == 2:
+            text = text + " " + CONTEXT * 2
+        out.append(model.format_chat([{"role": "user", "content": text}]))
+    return out
+
+
+def ref_python() -> str | None:
+    py = os.environ.get("NPLLAMA_REF_PY") or str(Path.home() / ".cache/npllama-refs/venv/bin/python")
+    return py if Path(py).exists() else None
+
+
+def run_llama_cpp(py, path, ids, gens, threads):
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"ids": ids, "gen": gens}, f)
+    try:
+        r = subprocess.run([py, "-c", REF_SCRIPT, str(path), f.name, str(threads)], capture_output=True, text=True)
+    finally:
+        os.unlink(f.name)
+    if r.returncode != 0:
+        return None, (r.stderr.strip().splitlines() or ["failed"])[-1]
+    return json.loads(r.stdout.strip().splitlines()[-1]), None
+
+
+def bench_throughput(model, n, gen, max_batch, engines, py, threads):
+    from npllama.batch import complete_many
+    prompts = make_prompts(model, n)
+    ids = [model.tokenize(p, special=True) for p in prompts]
+    n_prompt = sum(map(len, ids))
+    # warm up (compilation or cache load) outside the timings
+    complete_many(model, prompts[:2], temperature=0, max_tokens=2)
+    model.complete(prompts[0], temperature=0, max_tokens=2)
+
+    t0 = time.perf_counter()
+    alone = [model.complete(p, temperature=0, max_tokens=gen) for p in prompts]
+    t_seq = time.perf_counter() - t0
+    n_gen = sum(len(c.tokens) for c in alone)
+
+    stats = {}
+    t0 = time.perf_counter()
+    together = complete_many(model, prompts, temperature=0, max_tokens=gen, max_batch=max_batch, stats=stats)
+    t_batch = time.perf_counter() - t0
+    same = sum([t.id for t in a.tokens] == [t.id for t in b.tokens] for a, b in zip(alone, together))
+
+    print(f"\n{n} prompts ({n_prompt} prompt tokens, {min(map(len, ids))}..{max(map(len, ids))} each), "
+          f"greedy, up to {gen} new tokens each ({n_gen} generated), max_batch {max_batch}")
+    print(f"{'engine':<34}{'seconds':>9}{'gen tok/s':>11}{'all tok/s':>11}{'vs seq':>9}")
+    rows = [("npllama sequential (generate)", t_seq), ("npllama generate_many", t_batch)]
+    if "llama.cpp" in engines:
+        if py is None:
+            print("llama.cpp: skipped (no references' python; run ../shared/tools/setup-refs.sh)")
+        else:
+            res, err = run_llama_cpp(py, model.path, ids, [max(1, len(c.tokens)) for c in alone], threads)
+            if res is None:
+                print(f"llama.cpp: skipped ({err})")
+            else:
+                rows.append(("llama.cpp sequential", res["seconds"]))
+    for name, sec in rows:
+        print(f"{name:<34}{sec:>9.2f}{n_gen / sec:>11.1f}{(n_gen + n_prompt) / sec:>11.1f}{t_seq / sec:>8.2f}x")
+    print(f"generate_many: {stats['steps']} forward passes; token-identical to sequential for {same}/{n} prompts")
+    return t_seq / t_batch
+
+
+def bench_memory_and_f16(model, text_tokens: int = 160):
+    from npllama.batch import forward_batch
+    from npllama.kvpool import KVPool
+    ids = model.tokenize(" ".join(f"{s.capitalize()} is a fine subject: {t.format(s)}" for s in SUBJECTS
+                                  for t in TASKS[:1]) * 3)[:text_tokens]
+    logits = {}
+    for dtype in (np.float32, np.float16):
+        pool = KVPool.for_model(model, tokens=len(ids), dtype=dtype)
+        (logits[dtype],) = forward_batch(model, pool, [pool.new_seq()], [ids], all_logits=True)
+        print(f"KV {np.dtype(dtype).name}: {pool.bytes_per_token} bytes per cached token "
+              f"({pool.bytes_per_token / 1024:.1f} KiB; {model.config.n_layer} layers x {model.config.n_head_kv} "
+              f"kv heads x {model.config.head_dim} x K,V)")
+    a, b = logits[np.float32], logits[np.float16]
+    top1 = float((a.argmax(-1) == b.argmax(-1)).mean())
+    print(f"f16 KV vs f32 KV over {len(ids)} positions of text: max |logit diff| {np.abs(a - b).max():.4f} "
+          f"(logits up to {np.abs(a).max():.1f}), top-1 agreement {100 * top1:.1f}%")
+
+
+def bench_shared_prefix(model, n, gen, max_batch):
+    from npllama.batch import complete_many
+    prompts = [model.format_chat([{"role": "system", "content": SYSTEM},
+                                  {"role": "user", "content": TASKS[1].format(s)}]) for s in SUBJECTS[:n]]
+    common = len(os.path.commonprefix([model.tokenize(p, special=True) for p in prompts]))
+    res = {}
+    for shared in (False, True):
+        stats = {}
+        t0 = time.perf_counter()
+        complete_many(model, prompts, temperature=0, max_tokens=gen, max_batch=max_batch, prefix_cache=shared,
+                      stats=stats)
+        res[shared] = (time.perf_counter() - t0, stats)
+    (t0_, s0), (t1_, s1) = res[False], res[True]
+    print(f"\nshared prefix: {len(prompts)} prompts with a common {common}-token system prompt, {gen} new tokens")
+    print(f"  prefill tokens computed: {s0['prefill_tokens']} unshared, {s1['prefill_tokens']} shared "
+          f"({s1['cached_tokens']} taken from the prefix cache); wall {t0_:.2f} s -> {t1_:.2f} s "
+          f"({t0_ / t1_:.2f}x)")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", help="GGUF (default: the default model)")
+    ap.add_argument("--n", default="16,64", help="prompt counts, comma separated")
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--engines", default="npllama,llama.cpp")
+    ap.add_argument("--skip", default="", help="comma separated: throughput,memory,prefix")
+    args = ap.parse_args()
+
+    import npllama
+    from npllama.hub import resolve_model
+    model = npllama.Model(resolve_model(args.model), threads=args.threads)
+    skip = set(filter(None, args.skip.split(",")))
+    print(f"model {Path(model.path).name}, {args.threads} threads")
+    if "throughput" not in skip:
+        py = ref_python()
+        for n in (int(x) for x in args.n.split(",")):
+            bench_throughput(model, n, args.gen, args.max_batch, args.engines.split(","), py, args.threads)
+    if "memory" not in skip:
+        print()
+        bench_memory_and_f16(model)
+    if "prefix" not in skip:
+        bench_shared_prefix(model, min(8, len(SUBJECTS)), min(args.gen, 16), args.max_batch)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""Causal attention of a packed variable-length batch over a paged KV pool.
+
+The batch is *packed*: the new tokens of B sequences are concatenated into one (T, H, D) query
+array, and every token carries the sequence it belongs to and its absolute position. A query
+token of sequence b at position p attends to the keys at positions 0..p of sequence b only,
+read through b's page table straight from the pool buffer
+
+    kv: (n_pages, page_size, KVH, 2, D)   position t of b -> kv[table[b, t // page_size], t % page_size]
+
+so no per-sequence copy of K/V is ever gathered, and no mask is needed: which keys a token
+sees follows from (sequence, position), so there is nothing to pad and nothing to broadcast.
+
+Work is split into (query block, KV head) tasks that run in parallel. A query block is up to
+_ROWS consecutive tokens of one sequence at consecutive positions (a prefill chunk), which
+share every K/V row read; a decoding sequence is a block of one. Each task runs the online
+softmax (running max, running sum, running output; flash attention) over the keys its
+block sees, all query heads of its KV-head group at once (grouped-query attention without
+repeating KV heads), accumulating in float32. A float16 pool is stored as raw uint16 bits
+and converted to float32 on read.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
+
+from .attention import _BLOCK, _FASTMATH, _ROWS
+from .quants import _I32, _ir_f16_fast
+
+__all__ = ["paged_attend", "plan_blocks"]
+
+
+@intrinsic
+def _half_bits_to_f32(typingctx, bits):
+    """float32 from float16 bits (one instruction where the hardware converts halves)."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        h = args[0]
+        if h.type.width > 32:
+            h = builder.trunc(h, _I32)
+        elif h.type.width < 32:
+            h = builder.zext(h, _I32)
+        return _ir_f16_fast(builder, h)
+
+    return types.float32(bits), codegen
+
+
+def _ld(row, d):  # pragma: no cover - replaced by the overload in compiled code
+    raise NotImplementedError
+
+
+@overload(_ld, inline="always")
+def _ld_overload(row, d):
+    """row[d] as float32: float32 pools read as is, float16 pools (uint16 bits) converted."""
+    if row.dtype == types.float32:
+        return lambda row, d: row[d]
+    if row.dtype == types.uint16:
+        return lambda row, d: _half_bits_to_f32(row[d])
+    return None
+
+
+@njit(fastmath=_FASTMATH, cache=True)
+def _paged_block(q, kv, table, i0, pos0, g, scale, m, l, acc, s):
+    """Fold the keys of one sequence seen by query rows i0..i0+R-1 (positions pos0..pos0+R-1)
+    into their running state, for the G query heads of KV head g.
+
+    q: (T, H, D); kv: (n_pages, ps, KVH, 2, D); table: (n_table,) page ids of the sequence.
+    m, l: (R, G); acc: (R, G, D); s: (R, G, _BLOCK) scratch.
+    """
+    R, G = m.shape
+    D = q.shape[2]
+    ps = kv.shape[1]
+    h0 = g * G
+    neg_inf = np.float32(-np.inf)
+    t_end = pos0 + R  # the last row sees keys 0..pos0+R-1
+    for b0 in range(0, t_end, _BLOCK):
+        n = min(_BLOCK, t_end - b0)
+        for j in range(n):
+            t = b0 + j
+            krow = kv[table[t // ps], t % ps, g, 0]  # (D,) view: read through the page table
+            for r in range(R):
+                if t > pos0 + r:  # causal: a row sees only positions up to its own
+                    for gh in range(G):
+                        s[r, gh, j] = neg_inf
+                    continue
+                for gh in range(G):
+                    qv = q[i0 + r, h0 + gh]
+                    dot = np.float32(0.0)
+                    for d in range(D):
+                        dot += qv[d] * _ld(krow, d)
+                    s[r, gh, j] = dot * scale
+        for r in range(R):
+            for gh in range(G):
+                bmax = neg_inf
+                for j in range(n):
+                    bmax = max(bmax, s[r, gh, j])
+                if bmax == neg_inf:
+                    for j in range(n):
+                        s[r, gh, j] = 0.0
+                    continue
+                m_new = max(m[r, gh], bmax)
+                corr = np.exp(m[r, gh] - m_new)
+                l[r, gh] *= corr
+                for d in range(D):
+                    acc[r, gh, d] *= corr
+                total = np.float32(0.0)
+                for j in range(n):
+                    p = np.exp(s[r, gh, j] - m_new)
+                    s[r, gh, j] = p
+                    total += p
+                l[r, gh] += total
+                m[r, gh] = m_new
+        for j in range(n):
+            t = b0 + j
+            vrow = kv[table[t // ps], t % ps, g, 1]
+            for r in range(R):
+                for gh in range(G):
+                    p = s[r, gh, j]
+                    if p == 0:
+                        continue
+                    a = acc[r, gh]
+                    for d in range(D):
+                        a[d] += p * _ld(vrow, d)
+
+
+@njit(parallel=True, fastmath=_FASTMATH, cache=True)
+def _paged_kernel(q, kv, tables, blk_seq, blk_row, blk_pos, blk_len, scale, out):
+    """One task per (query block, KV head).
+
+    q, out: (T, H, D); kv: (n_pages, ps, KVH, 2, D) float32 or uint16 (float16 bits);
+    tables: (B, n_table) int32; block k covers query rows blk_row[k] .. + blk_len[k] - 1 of
+    sequence blk_seq[k], at positions blk_pos[k] ...
+    """
+    H = q.shape[1]
+    D = q.shape[2]
+    KVH = kv.shape[2]
+    G = H // KVH
+    nb = blk_seq.shape[0]
+    for task in prange(nb * KVH):
+        k = task // KVH
+        g = task % KVH
+        R = blk_len[k]
+        i0 = blk_row[k]
+        m = np.full((R, G), -np.inf, dtype=np.float32)
+        l = np.zeros((R, G), dtype=np.float32)
+        acc = np.zeros((R, G, D), dtype=np.float32)
+        s = np.empty((R, G, _BLOCK), dtype=np.float32)
+        _paged_block(q, kv, tables[blk_seq[k]], i0, blk_pos[k], g, scale, m, l, acc, s)
+        for r in range(R):
+            for gh in range(G):
+                inv = np.float32(1.0) / l[r, gh] if l[r, gh] > 0 else np.float32(0.0)
+                for d in range(D):
+                    out[i0 + r, g * G + gh, d] = acc[r, gh, d] * inv
+
+
+def plan_blocks(seq_of_token: np.ndarray, positions: np.ndarray, rows: int = _ROWS):
+    """Split packed tokens into query blocks: runs of up to `rows` consecutive tokens of the
+    same sequence at consecutive positions. Returns (blk_seq, blk_row, blk_pos, blk_len),
+    int64 arrays, the longest blocks (most keys) first so the parallel tasks balance."""
+    seq_of_token = np.asarray(seq_of_token, dtype=np.int64)
+    positions = np.asarray(positions, dtype=np.int64)
+    T = len(seq_of_token)
+    starts = []
+    i = 0
+    while i < T:
+        j = i + 1
+        while (j < T and j - i < rows and seq_of_token[j] == seq_of_token[i]
+               and positions[j] == positions[j - 1] + 1):
+            j += 1
+        starts.append((i, j - i))
+        i = j
+    blk_row = np.array([a for a, _ in starts], dtype=np.int64)
+    blk_len = np.array([n for _, n in starts], dtype=np.int64)
+    blk_seq = seq_of_token[blk_row] if T else np.zeros(0, np.int64)
+    blk_pos = positions[blk_row] if T else np.zeros(0, np.int64)
+    # interleave long and short blocks: numba's static schedule gives each thread a
+    # contiguous range of tasks
+    order = np.argsort(-(blk_pos + blk_len), kind="stable")
+    fold = np.empty_like(order)
+    fold[0::2] = order[:(len(order) + 1) // 2]
+    fold[1::2] = order[(len(order) + 1) // 2:][::-1]
+    return blk_seq[fold], blk_row[fold], blk_pos[fold], blk_len[fold]
+
+
+def paged_attend(q: np.ndarray, kv: np.ndarray, tables: np.ndarray, seq_of_token: np.ndarray,
+                 positions: np.ndarray, *, scale: float | None = None, blocks=None,
+                 out: np.ndarray | None = None) -> np.ndarray:
+    """Attention of packed queries over a paged KV layer buffer.
+
+    Args:
+        q: (T, H, D) queries (converted to contiguous float32 if needed).
+        kv: (n_pages, page_size, KVH, 2, D) C-contiguous float32 or float16 pool buffer,
+            read in place through the page tables.
+        tables: (B, n) int32 page tables, row b the pages of sequence b.
+        seq_of_token: (T,) sequence index (row of `tables`) of each query token.
+        positions: (T,) absolute position of each query token; its keys (positions
+            0..position of its own sequence) must already be written.
+        scale: score scale, default 1 / sqrt(D).
+        blocks: a precomputed `plan_blocks(seq_of_token, positions)` (shared by all layers).
+
+    Returns (T, H, D) float32.
+    """
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    if q.ndim != 3:
+        raise ValueError(f"paged_attend: q must be (T, H, D), got {q.shape}")
+    T, H, D = q.shape
+    if not isinstance(kv, np.ndarray) or kv.ndim != 5 or kv.shape[3] != 2 or kv.shape[4] != D:
+        raise ValueError(f"paged_attend: kv must be (n_pages, page_size, KVH, 2, D={D}), got "
+                         f"{getattr(kv, 'shape', type(kv).__name__)}")
+    if not kv.flags.c_contiguous or kv.dtype not in (np.float32, np.float16):
+        raise ValueError(f"paged_attend: kv must be C-contiguous float32 or float16, got {kv.dtype}")
+    KVH = kv.shape[2]
+    if H % KVH:
+        raise ValueError(f"paged_attend: H={H} is not a multiple of KVH={KVH}")
+    tables = np.ascontiguousarray(tables, dtype=np.int32)
+    seq_of_token = np.asarray(seq_of_token, dtype=np.int64)
+    positions = np.asarray(positions, dtype=np.int64)
+    if tables.ndim != 2 or seq_of_token.shape != (T,) or positions.shape != (T,):
+        raise ValueError("paged_attend: tables must be (B, n), seq_of_token and positions (T,)")
+    if T and (seq_of_token.min() < 0 or seq_of_token.max() >= len(tables) or positions.min() < 0):
+        raise ValueError("paged_attend: a token names a sequence outside tables or a negative position")
+    if T:
+        need = positions // kv.shape[1]
+        pages = tables[seq_of_token, np.minimum(need, tables.shape[1] - 1)]
+        if (need >= tables.shape[1]).any() or (pages < 0).any() or (pages >= kv.shape[0]).any():
+            raise ValueError("paged_attend: a position lies past its sequence's page table")
+    if out is None:
+        out = np.empty((T, H, D), np.float32)
+    if T == 0:
+        return out
+    if blocks is None:
+        blocks = plan_blocks(seq_of_token, positions)
+    kv_arg = kv.view(np.uint16) if kv.dtype == np.float16 else kv
+    scale = np.float32(1.0 / math.sqrt(D) if scale is None else scale)
+    _paged_kernel(q, kv_arg, tables, *blocks, scale, out)
+    return out
