@@ -13,6 +13,7 @@ import numpy as np
 
 from . import quants, textapi
 from .attention import attend
+from .batch import matmul_rows as mm  # x @ W.T reading each weight row once, for a few to a few hundred rows of x
 from .chat import validate_messages
 from .errors import PositionError
 from .gguf_file import GGUFFile, ModelConfig, TensorInfo
@@ -40,9 +41,7 @@ class QWeight:
         """W @ x for x of shape (cols,), and x @ W.T for x of shape (S, cols)."""
         return quants.matmul(self.data, self.qtype, x)
 
-    def matmul(self, x: np.ndarray, workers: int) -> np.ndarray:
-        """`self @ x`, a prefill product split across `workers` threads."""
-        return quants.matmul(self.data, self.qtype, x, workers=workers)
+
 
     def rows_of(self, ids: np.ndarray) -> np.ndarray:
         """Dequantized rows `ids` as float32 (len(ids), cols): an embedding lookup."""
@@ -209,7 +208,7 @@ class Model:
             try:
                 # long prompts run in chunks, which bounds the activations' memory
                 outs = [self._forward(ids[i:i + PREFILL_CHUNK], positions[i:i + PREFILL_CHUNK], cache,
-                                      all_logits, output, threads)
+                                      all_logits, output)
                         for i in range(0, len(ids), PREFILL_CHUNK)]
                 if output == "logits" and not all_logits:
                     return outs[-1]
@@ -218,25 +217,19 @@ class Model:
                 cache.truncate(pos)
                 raise
 
-    def _forward(self, ids, positions, cache, all_logits, output, threads):
+    def _forward(self, ids, positions, cache, all_logits, output):
         if len(ids) == 1 and output == "logits":
             if self._plan is None:
                 from .decode import DecodePlan
                 self._plan = DecodePlan(self, int8=self.activations == "int8")
             logits = self._plan.step(int(ids[0]), int(positions[0]), cache)
             return logits.reshape(1, -1) if all_logits else logits
-        # Prefill: the products split their rows over `threads` workers of their own, so
-        # Numba runs single-threaded here; its idle workers would only spin against them.
-        with using_threads(1):
-            return self._prefill(ids, positions, cache, all_logits, output, threads)
-
-    def _prefill(self, ids, positions, cache, all_logits, output, threads):
         cfg = self.config
         S, H, KVH, D = len(ids), cfg.n_head, cfg.n_head_kv, cfg.head_dim
         x = self.token_embd.rows_of(ids)  # (S, n_embd) residual stream
         for li, L in enumerate(self.layers):
             h = rmsnorm(x, L.attn_norm, cfg.rms_eps)
-            q, k, v = L.wq.matmul(h, threads), L.wk.matmul(h, threads), L.wv.matmul(h, threads)
+            q, k, v = mm(L.wq, h), mm(L.wk, h), mm(L.wv, h)  # (S, H*D), (S, KVH*D), (S, KVH*D)
             if L.bq is not None:
                 q += L.bq
                 k += L.bk
@@ -244,16 +237,15 @@ class Model:
             q = self.rope.apply(q.reshape(S, H, D), positions)
             k = self.rope.apply(k.reshape(S, KVH, D), positions)
             cache.append(li, k, v.reshape(S, KVH, D))
-            with using_threads(threads):  # attention is Numba-parallel: (query block, KV head) tasks
-                a = attend(q, cache.buffer(li), cache.layer_length(li))  # (S, H, D)
-            x += L.wo.matmul(a.reshape(S, H * D), threads)
+            a = attend(q, cache.buffer(li), cache.layer_length(li))  # (S, H, D)
+            x += mm(L.wo, a.reshape(S, H * D))
             h = rmsnorm(x, L.ffn_norm, cfg.rms_eps)
-            x += L.w_down.matmul(swiglu(L.w_gate.matmul(h, threads), L.w_up.matmul(h, threads)), threads)
+            x += mm(L.w_down, swiglu(mm(L.w_gate, h), mm(L.w_up, h)))
         if output == "hidden":
             return rmsnorm(x, self.output_norm, cfg.rms_eps)
         if not all_logits:
             x = x[-1:]
-        logits = self.output.matmul(rmsnorm(x, self.output_norm, cfg.rms_eps), threads)  # (S or 1, n_vocab)
+        logits = mm(self.output, rmsnorm(x, self.output_norm, cfg.rms_eps))  # (S or 1, n_vocab)
         return logits if all_logits else logits[0]
 
 

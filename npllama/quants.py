@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import math
 import platform
-from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import llvmlite.binding as llvm
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from llvmlite import ir
-from numba import config as numba_config, get_num_threads as numba_get_num_threads, njit, prange, types
+from numba import config as numba_config, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -743,47 +742,15 @@ def dequantize(data, qtype) -> np.ndarray:
     return out
 
 
-@njit(nogil=True, cache=True)
-def _dequantize_rows_serial(code, src, dst):
-    """``_dequantize_rows`` on the calling thread, releasing the GIL (for prefill workers)."""
-    for r in range(src.shape[0]):
-        _deq_row(code, src[r], dst[r])
-
-
-def _prefill_rows(code, w, x, out, r0, r1):
-    """out[:, r0:r1] = x @ W[r0:r1].T: tile by tile, each tile of W dequantized into a float32
-    scratch (F32 weights are used in place) and multiplied by BLAS."""
-    if code == _F32:
-        np.matmul(x, w[r0:r1].view(np.float32).T, out=out[:, r0:r1])
-        return
-    n = x.shape[1]
-    tile_rows = min(r1 - r0, max(16, _TILE_BYTES // (4 * n)))
-    tile = np.empty((tile_rows, n), np.float32)
-    for a in range(r0, r1, tile_rows):
-        t = tile[:min(tile_rows, r1 - a)]
-        _dequantize_rows_serial(code, w[a:a + t.shape[0]], t)
-        np.matmul(x, t.T, out=out[:, a:a + t.shape[0]])
-
-
-_POOLS: dict[int, ThreadPoolExecutor] = {}
-
-
-def _prefill_pool(n: int) -> ThreadPoolExecutor:
-    """A persistent pool of `n` helper threads for prefill products (created on first use)."""
-    if n not in _POOLS:
-        _POOLS[n] = ThreadPoolExecutor(n, thread_name_prefix="npllama-prefill")
-    return _POOLS[n]
-
-
-def matmul(data, qtype, x, out=None, *, workers: int | None = None) -> np.ndarray:
+def matmul(data, qtype, x, out=None) -> np.ndarray:
     """Product with a GGUF weight ``data`` of shape (rows, row_bytes) = W of shape (rows, n).
 
     ``x`` of shape (n,) gives ``W @ x`` of shape (rows,), computed by row-parallel Numba
     kernels on the block data (so is ``x`` of shape (1, n)); ``x`` of shape (S, n) gives
     ``x @ W.T`` of shape (S, rows): tiles of W are dequantized into a scratch buffer and
-    multiplied by single-threaded BLAS, the rows split across ``workers`` threads (default:
-    Numba's thread count). Splitting the work ourselves keeps OpenBLAS's own threads, which
-    spin long after each call, from stalling the Numba kernels that follow. ``x`` is converted to C-contiguous float32 as needed; ``data`` is
+    multiplied by single-threaded BLAS (OpenBLAS's own threads spin long after each call and
+    stall the Numba kernels that follow). ``x`` is converted to C-contiguous float32 as
+    needed; ``data`` is
     copied only if it is not C-contiguous. ``out``, if given, must be a C-contiguous
     float32 array of the result's shape.
     """
@@ -817,15 +784,14 @@ def matmul(data, qtype, x, out=None, *, workers: int | None = None) -> np.ndarra
         else:
             s.matvec_fn(w, x.reshape(n), out.reshape(rows))
     else:
-        workers = numba_get_num_threads() if workers is None else workers
-        parts = np.linspace(0, rows, min(workers, rows) + 1).astype(np.int64)
-        jobs = [(int(s.qtype), w, x, out, int(a), int(b)) for a, b in zip(parts[:-1], parts[1:])]
         with single_threaded_blas():
-            if len(jobs) == 1:
-                _prefill_rows(*jobs[0])
+            if s.qtype == QT.F32:
+                np.matmul(x, w.view(np.float32).T, out=out)
             else:
-                pending = [_prefill_pool(len(jobs) - 1).submit(_prefill_rows, *job) for job in jobs[1:]]
-                _prefill_rows(*jobs[0])
-                for f in pending:
-                    f.result()
+                tile_rows = min(rows, max(16, _TILE_BYTES // (4 * n)))
+                tile = np.empty((tile_rows, n), np.float32)
+                for r0 in range(0, rows, tile_rows):
+                    t = tile[:min(tile_rows, rows - r0)]
+                    _dequantize_rows(int(s.qtype), w[r0:r0 + t.shape[0]], t)
+                    np.matmul(x, t.T, out=out[:, r0:r0 + t.shape[0]])
     return out
