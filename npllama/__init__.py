@@ -4,19 +4,22 @@
     model = npllama.load()                      # SmolLM2-135M-Instruct Q4_1 unless told otherwise
     print(model.chat([{"role": "user", "content": "Hi!"}], max_tokens=64))
 """
+from .batch import beam_search, complete_many, forward_batch, generate_many
 from .errors import ContextOverflowError, GGUFError, ModelFetchError, PositionError
 from .generate import Completion, Token
 from .gguf_file import GGUFFile, ModelConfig
 from .hub import pull
 from .kvcache import KVCache
+from .kvpool import KVPool, PoolExhaustedError, PoolSeq
 from .model import Model, load
 from .quants import dequantize, matmul
 from .sampling import SamplingParams, make_sampler
 from .session import Session
 
 __all__ = [
-    "Completion", "ContextOverflowError", "GGUFError", "GGUFFile", "KVCache", "Model", "ModelConfig",
-    "ModelFetchError", "PositionError", "SamplingParams", "Session", "Token", "dequantize", "load",
-    "make_sampler", "matmul", "pull",
+    "Completion", "ContextOverflowError", "GGUFError", "GGUFFile", "KVCache", "KVPool", "Model", "ModelConfig",
+    "ModelFetchError", "PoolExhaustedError", "PoolSeq", "PositionError", "SamplingParams", "Session", "Token",
+    "beam_search", "complete_many", "dequantize", "forward_batch", "generate_many", "load", "make_sampler",
+    "matmul", "pull",
 ]
 __version__ = "0.1.0"

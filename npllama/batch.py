@@ -55,7 +55,7 @@ from .paged_attention import _half_bits_to_f32, _paged_kernel, plan_blocks
 from .progress import Progress
 from .quants import _FAST, _Q4_0, _Q4_1, _Q8_0, _deq_row, _dot_row_q4_0, _dot_row_q4_1, _dot_row_q8_0
 from .sampling import SamplingParams, make_sampler
-from .threads import check_threads, single_threaded_blas, using_threads
+from .threads import check_threads, using_threads
 
 __all__ = ["forward_batch", "generate_many", "complete_many", "beam_search", "BeamSearch", "Beam",
            "batch_mask", "KVPool", "PoolSeq", "PoolExhaustedError"]
@@ -314,17 +314,17 @@ def forward_batch(model, pool: KVPool, seqs: Sequence[PoolSeq], token_lists, *, 
     ends = np.cumsum(counts)
     want = np.arange(T) if all_logits else ends - 1  # the tokens whose logits are returned
     hidden = np.empty((len(want), cfg.n_embd), np.float32)
-    with using_threads(threads), single_threaded_blas():
+    with using_threads(threads):
         # consecutive chunks of the packed tokens: a later chunk's tokens attend to the keys
         # an earlier chunk wrote, so chunking changes nothing but the activations' size
         for c0 in range(0, T, chunk):
             c1 = min(T, c0 + chunk)
             x = model.token_embd.rows_of(ids[c0:c1])  # (chunk, n_embd) residual stream
             blocks = plan_blocks(seq_of_token[c0:c1], positions[c0:c1])
-            x = layers(model, pool, x, positions[c0:c1], slots[c0:c1], tables, blocks, scale, kv_bufs, threads)
+            x = layers(model, pool, x, positions[c0:c1], slots[c0:c1], tables, blocks, scale, kv_bufs)
             lo, hi = np.searchsorted(want, (c0, c1))
             hidden[lo:hi] = x[want[lo:hi] - c0]
-        logits = _head(model, hidden, threads, rows_kernels)
+        logits = _head(model, hidden, rows_kernels)
     for s, t in zip(seqs, ids_list):
         pool.commit(s, t)
     if not all_logits:
@@ -332,7 +332,7 @@ def forward_batch(model, pool: KVPool, seqs: Sequence[PoolSeq], token_lists, *, 
     return np.split(logits, ends[:-1])
 
 
-def _layers_rows(model, pool, x, positions, slots, tables, blocks, scale, kv_bufs, threads):
+def _layers_rows(model, pool, x, positions, slots, tables, blocks, scale, kv_bufs):
     """Every layer for a chunk of packed tokens: five parallel regions per layer (q/k/v
     products, attention, output projection, gate/up with SwiGLU, down projection), the
     per-token norms and RoPE serially. Returns the hidden states (T, n_embd) after the last
@@ -368,39 +368,35 @@ def _layers_rows(model, pool, x, positions, slots, tables, blocks, scale, kv_buf
     return x
 
 
-def _layers_blas(model, pool, x, positions, slots, tables, blocks, scale, kv_bufs, threads):
-    """Every layer through the tiled-dequant + BLAS products, as Model.forward's prefill
-    runs them (split over `threads` workers of their own while Numba runs single-threaded;
-    attention on Numba's threads): for shapes the row kernels do not take."""
+def _layers_blas(model, pool, x, positions, slots, tables, blocks, scale, kv_bufs):
+    """Every layer through the tiled-dequant + BLAS products (`QWeight @ x`): for weights
+    whose rows are not whole blocks of 32, which the row kernels do not take."""
     cfg = model.config
     T, H, KVH, D = x.shape[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim
     a = np.empty((T, H, D), np.float32)
-    with using_threads(1):
-        for li, L in enumerate(model.layers):
-            h = rmsnorm(x, L.attn_norm, cfg.rms_eps)
-            q, k, v = L.wq.matmul(h, threads), L.wk.matmul(h, threads), L.wv.matmul(h, threads)
-            if L.bq is not None:
-                q += L.bq
-                k += L.bk
-                v += L.bv
-            q = model.rope.apply(q.reshape(T, H, D), positions)
-            k = model.rope.apply(k.reshape(T, KVH, D), positions)
-            pool.write(li, slots, k, v.reshape(T, KVH, D))
-            with using_threads(threads):
-                _paged_kernel(q, kv_bufs[li], tables, *blocks, scale, a)
-            x += L.wo.matmul(a.reshape(T, H * D), threads)
-            h = rmsnorm(x, L.ffn_norm, cfg.rms_eps)
-            x += L.w_down.matmul(swiglu(L.w_gate.matmul(h, threads), L.w_up.matmul(h, threads)), threads)
+    for li, L in enumerate(model.layers):
+        h = rmsnorm(x, L.attn_norm, cfg.rms_eps)
+        q, k, v = L.wq @ h, L.wk @ h, L.wv @ h
+        if L.bq is not None:
+            q += L.bq
+            k += L.bk
+            v += L.bv
+        q = model.rope.apply(q.reshape(T, H, D), positions)
+        k = model.rope.apply(k.reshape(T, KVH, D), positions)
+        pool.write(li, slots, k, v.reshape(T, KVH, D))
+        _paged_kernel(q, kv_bufs[li], tables, *blocks, scale, a)
+        x += L.wo @ a.reshape(T, H * D)
+        h = rmsnorm(x, L.ffn_norm, cfg.rms_eps)
+        x += L.w_down @ swiglu(L.w_gate @ h, L.w_up @ h)
     return x
 
 
-def _head(model, x, threads, rows_kernels):
+def _head(model, x, rows_kernels):
     """Logits (rows, n_vocab) of final hidden states x (rows, n_embd)."""
     h = np.empty_like(x)
     _rmsnorm_rows(x, model.output_norm, np.float32(model.config.rms_eps), h)
     if not rows_kernels:
-        with using_threads(1):
-            return model.output.matmul(h, threads)
+        return model.output @ h
     out = np.empty((len(h), model.output.rows), np.float32)
     for c0 in range(0, len(h), CHUNK_TOKENS):
         out[c0:c0 + CHUNK_TOKENS] = matmul_rows(model.output, h[c0:c0 + CHUNK_TOKENS])

@@ -13,6 +13,7 @@ import numpy as np
 
 from . import quants, textapi
 from .attention import attend
+from . import batch
 from .batch import matmul_rows as mm  # x @ W.T reading each weight row once, for a few to a few hundred rows of x
 from .chat import validate_messages
 from .errors import PositionError
@@ -147,6 +148,7 @@ class Model:
     perplexity = textapi.perplexity
     embed = textapi.embed
     generate_batch = textapi.generate_batch
+    beam_search = batch.beam_search
 
     def chat_session(self, **options) -> "textapi.ChatSession":
         """A multi-turn conversation that keeps its KV cache between turns."""
