@@ -27,27 +27,7 @@ from numba import njit
 from npllama import quants, quants_int8
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-try:
-    from bench_kernels import read_bandwidth
-except ImportError:  # pragma: no cover - bench_kernels moved: minimal replica
-    from numba import prange
-
-    @njit(parallel=True, fastmath={"reassoc", "contract", "nsz", "arcp"})
-    def _sum(a):
-        s = np.float32(0.0)
-        for i in prange(a.shape[0]):
-            s += a[i]
-        return s
-
-    def read_bandwidth(mb: int, repeats: int) -> float:
-        a = np.ones(mb * (1 << 20) // 4, np.float32)
-        _sum(a)
-        best = math.inf
-        for _ in range(repeats):
-            t = time.perf_counter()
-            _sum(a)
-            best = min(best, time.perf_counter() - t)
-        return a.nbytes / best / 1e9
+from bench_kernels import read_bandwidth  # noqa: E402
 
 SHAPES = [  # (what, type, rows = out features, cols = in features, products sharing one x)
     ("attn q, 576x576", QT.Q4_1, 576, 576, 3),
