@@ -15,6 +15,8 @@ from .errors import GGUFError, ModelFetchError
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", help="path to a .gguf (default: $NPLLAMA_MODEL, else SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("-t", "--threads", type=int, help="threads (default: physical cores)")
+    p.add_argument("--activations", choices=["f32", "int8"], default="f32",
+                   help="decode activations: f32 (exact, default) or int8 (faster, as llama.cpp)")
 
 
 def _add_generation_flags(p: argparse.ArgumentParser) -> None:
@@ -32,7 +34,7 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
 
 def _load(args):
     from .model import load
-    return load(args.model, threads=args.threads)
+    return load(args.model, threads=args.threads, activations=args.activations)
 
 
 def cmd_info(args) -> int:

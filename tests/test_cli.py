@@ -54,7 +54,9 @@ def test_run_chat_perplexity_bench(default_model_path, tmp_path):
     text.write_text("The cat sat on the mat. " * 20)
     ppl = npllama("perplexity", "-f", text, "-c", "32", env_model=default_model_path)
     assert ppl.returncode == 0 and ppl.stdout.startswith("perplexity "), ppl.stderr
-    b = npllama("bench", "-p", "8", "-n", "4", "-r", "1", "--json", env_model=default_model_path)
-    figures = json.loads(b.stdout)
-    assert figures["prefill_tok_s"] > 0 and figures["decode_tok_s"] > 0
+    for mode in ("f32", "int8"):
+        b = npllama("bench", "-p", "8", "-n", "4", "-r", "1", "--json", "--activations", mode,
+                    env_model=default_model_path)
+        figures = json.loads(b.stdout)
+        assert figures["prefill_tok_s"] > 0 and figures["decode_tok_s"] > 0
     assert "max_tokens" in one_line_error(npllama("run", "hi", "-n", "-3", env_model=default_model_path), 1)
