@@ -11,12 +11,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import quants, textapi
+from . import batch, quants, textapi
 from .attention import attend
-from . import batch
 from .batch import matmul_rows as mm  # x @ W.T reading each weight row once, for a few to a few hundred rows of x
 from .chat import validate_messages
-from .errors import PositionError
+from .errors import GGUFError, PositionError
 from .gguf_file import GGUFFile, ModelConfig, TensorInfo
 from .kernels import RopeTable, rmsnorm, swiglu
 from .kvcache import KVCache
@@ -41,8 +40,6 @@ class QWeight:
     def __matmul__(self, x: np.ndarray) -> np.ndarray:
         """W @ x for x of shape (cols,), and x @ W.T for x of shape (S, cols)."""
         return quants.matmul(self.data, self.qtype, x)
-
-
 
     def rows_of(self, ids: np.ndarray) -> np.ndarray:
         """Dequantized rows `ids` as float32 (len(ids), cols): an embedding lookup."""
@@ -90,6 +87,9 @@ class Model:
         self.config: ModelConfig = self.file.config
         self.threads = check_threads(threads) or physical_cores()
         cfg, t = self.config, self.file.tensor
+        if cfg.rope_scaling_type not in (None, "linear"):
+            raise GGUFError(f"{self.path}: RoPE scaling '{cfg.rope_scaling_type}' is not supported "
+                            f"(npllama applies none, 'linear', and Llama 3's rope_freqs)")
         opt = self.file.tensors.get
         self.layers = [
             Layer(

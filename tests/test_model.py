@@ -80,3 +80,10 @@ def test_int8_activations_decode_is_close(tmp_path, qtype):
         assert err > 0  # the int8 kernels really ran
     with pytest.raises(ValueError, match="activations must be"):
         npllama.Model(path, activations="int4")
+
+
+def test_unsupported_rope_scaling_is_refused(tmp_path):
+    path = write_tiny_llama(tmp_path / "m.gguf", extra_kv={"llama.rope.scaling.type": "yarn",
+                                                            "llama.rope.scaling.factor": 4.0})
+    with pytest.raises(npllama.GGUFError, match="RoPE scaling 'yarn' is not supported"):
+        npllama.Model(path)
