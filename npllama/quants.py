@@ -742,18 +742,9 @@ def dequantize(data, qtype) -> np.ndarray:
     return out
 
 
-def matmul(data, qtype, x, out=None) -> np.ndarray:
-    """Product with a GGUF weight ``data`` of shape (rows, row_bytes) = W of shape (rows, n).
-
-    ``x`` of shape (n,) gives ``W @ x`` of shape (rows,), computed by row-parallel Numba
-    kernels on the block data (so is ``x`` of shape (1, n)); ``x`` of shape (S, n) gives
-    ``x @ W.T`` of shape (S, rows): tiles of W are dequantized into a scratch buffer and
-    multiplied by single-threaded BLAS (OpenBLAS's own threads spin long after each call and
-    stall the Numba kernels that follow). ``x`` is converted to C-contiguous float32 as
-    needed; ``data`` is
-    copied only if it is not C-contiguous. ``out``, if given, must be a C-contiguous
-    float32 array of the result's shape.
-    """
+def _product_args(data, qtype, x, out, x_ndims):
+    """Checked arguments of a product with a GGUF weight: (spec, (rows, row_bytes) uint8 rows,
+    C-contiguous float32 x with x.ndim in `x_ndims`, output array of shape x.shape[:-1] + (rows,))."""
     s = _spec(qtype)
     w = _as_byte_rows(data, s)
     if w.ndim != 2:
@@ -761,8 +752,8 @@ def matmul(data, qtype, x, out=None) -> np.ndarray:
     rows = w.shape[0]
     n = w.shape[1] // s.type_size * s.block_size
     x = np.asarray(x)
-    if x.ndim not in (1, 2):
-        raise ValueError(f"x must have shape (n,) or (S, n), got {x.shape}")
+    if x.ndim not in x_ndims:
+        raise ValueError(f"x must have shape {' or '.join(('(n,)', '(S, n)')[d - 1] for d in x_ndims)}, got {x.shape}")
     if x.shape[-1] != n:
         raise ValueError(f"x has {x.shape[-1]} features but the {s.qtype.name} weight rows have {n} elements")
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -772,6 +763,22 @@ def matmul(data, qtype, x, out=None) -> np.ndarray:
     elif (not isinstance(out, np.ndarray) or out.shape != shape or out.dtype != np.float32
           or not out.flags.c_contiguous):
         raise ValueError(f"out must be a C-contiguous float32 array of shape {shape}")
+    return s, w, x, out
+
+
+def matmul(data, qtype, x, out=None) -> np.ndarray:
+    """Product with a GGUF weight ``data`` of shape (rows, row_bytes) = W of shape (rows, n).
+
+    ``x`` of shape (n,) gives ``W @ x`` of shape (rows,), computed by row-parallel Numba
+    kernels on the block data (so is ``x`` of shape (1, n)); ``x`` of shape (S, n) gives
+    ``x @ W.T`` of shape (S, rows): tiles of W are dequantized into a scratch buffer and
+    multiplied by single-threaded BLAS (OpenBLAS's own threads spin long after each call and
+    stall the Numba kernels that follow). ``x`` is converted to C-contiguous float32 as
+    needed; ``data`` is copied only if it is not C-contiguous. ``out``, if given, must be a
+    C-contiguous float32 array of the result's shape.
+    """
+    s, w, x, out = _product_args(data, qtype, x, out, (1, 2))
+    rows, n = out.shape[-1], x.shape[-1]
     if out.size == 0:
         return out
     if n == 0:

@@ -57,9 +57,9 @@ from numba import config as numba_config, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .quants import (_F32T, _FAST_FLAGS, _HW_F16, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q8_0, _as_byte_rows,
+from .quants import (_F32T, _FAST_FLAGS, _HW_F16, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q8_0,
                      _ir_f16_exact, _ir_hsum, _ir_i32, _ir_load, _ir_splat, _ir_vec_zero, _is_c_array, _matvec,
-                     _spec)
+                     _product_args)
 
 __all__ = ["DOT_ISA", "INT8_TYPES", "VNNI", "matmul_int8", "quantize_x"]
 
@@ -482,26 +482,10 @@ def matmul_int8(data, qtype, x, out=None) -> np.ndarray:
     ``x`` is converted to C-contiguous float32 as needed; ``data`` is copied only if it is not
     C-contiguous. ``out``, if given, must be a C-contiguous float32 array of shape (rows,).
     """
-    sp = _spec(qtype)
-    w = _as_byte_rows(data, sp)
-    if w.ndim != 2:
-        raise ValueError(f"weight data must be 2-D (rows, row_bytes), got shape {np.shape(data)}")
-    rows = w.shape[0]
-    n = w.shape[1] // sp.type_size * sp.block_size
-    x = np.asarray(x)
-    if x.ndim != 1:
-        raise ValueError(f"x must have shape (n,), got {x.shape}")
-    if x.shape[0] != n:
-        raise ValueError(f"x has {x.shape[0]} features but the {sp.qtype.name} weight rows have {n} elements")
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if out is None:
-        out = np.empty(rows, np.float32)
-    elif (not isinstance(out, np.ndarray) or out.shape != (rows,) or out.dtype != np.float32
-          or not out.flags.c_contiguous):
-        raise ValueError(f"out must be a C-contiguous float32 array of shape {(rows,)}")
-    if rows == 0:
+    sp, w, x, out = _product_args(data, qtype, x, out, (1,))
+    if out.size == 0:
         return out
-    if n == 0:
+    if x.shape[0] == 0:
         out.fill(0.0)
         return out
     code = int(sp.qtype)
