@@ -45,6 +45,36 @@ _NO_ALIBI = np.zeros(0, dtype=np.float32)
 
 
 @njit(fastmath=_FASTMATH, cache=True)
+def _rescale(s, n, m, l, acc):
+    """One online-softmax step: fold the scores s[:, :, :n] of a block of keys into the running
+    max m and sum l (R, G), rescale the running output acc (R, G, D), and turn s into the
+    block's weights exp(s - m). A row that sees no key of the block gets zero weights."""
+    R, G = m.shape
+    neg_inf = np.float32(-np.inf)
+    for r in range(R):
+        for gh in range(G):
+            bmax = neg_inf
+            for j in range(n):
+                bmax = max(bmax, s[r, gh, j])
+            if bmax == neg_inf:
+                for j in range(n):
+                    s[r, gh, j] = 0.0
+                continue
+            m_new = max(m[r, gh], bmax)
+            corr = np.exp(m[r, gh] - m_new)
+            l[r, gh] *= corr
+            for d in range(acc.shape[2]):
+                acc[r, gh, d] *= corr
+            total = np.float32(0.0)
+            for j in range(n):
+                p = np.exp(s[r, gh, j] - m_new)
+                s[r, gh, j] = p
+                total += p
+            l[r, gh] += total
+            m[r, gh] = m_new
+
+
+@njit(fastmath=_FASTMATH, cache=True)
 def _accumulate(q, kv, i0, pos0, g, t0, t1, window, scale, softcap, mask, use_mask, alibi, use_alibi,
                 m, l, acc, s):
     """Fold keys t0..t1-1 of KV head g into the running state of query rows i0..i0+R-1.
@@ -84,28 +114,7 @@ def _accumulate(q, kv, i0, pos0, g, t0, t1, window, scale, softcap, mask, use_ma
                     if use_mask:
                         x += mask[i, t]
                     s[r, gh, j] = x
-        # rescale the running state and turn scores into weights
-        for r in range(R):
-            for gh in range(G):
-                bmax = neg_inf
-                for j in range(n):
-                    bmax = max(bmax, s[r, gh, j])
-                if bmax == neg_inf:  # this row sees no key of the block
-                    for j in range(n):
-                        s[r, gh, j] = 0.0
-                    continue
-                m_new = max(m[r, gh], bmax)
-                corr = np.exp(m[r, gh] - m_new)
-                l[r, gh] *= corr
-                for d in range(D):
-                    acc[r, gh, d] *= corr
-                total = np.float32(0.0)
-                for j in range(n):
-                    p = np.exp(s[r, gh, j] - m_new)
-                    s[r, gh, j] = p
-                    total += p
-                l[r, gh] += total
-                m[r, gh] = m_new
+        _rescale(s, n, m, l, acc)  # running state rescaled, scores turned into weights
         # weighted values: each V row is read once for all R x G query vectors
         for j in range(n):
             t = b0 + j

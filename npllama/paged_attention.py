@@ -26,7 +26,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from .attention import _BLOCK, _FASTMATH, _ROWS
+from .attention import _BLOCK, _FASTMATH, _ROWS, _rescale
 from .quants import _I32, _ir_f16_fast
 
 __all__ = ["paged_attend", "plan_blocks"]
@@ -93,27 +93,7 @@ def _paged_block(q, kv, table, i0, pos0, g, scale, m, l, acc, s):
                     for d in range(D):
                         dot += qv[d] * _ld(krow, d)
                     s[r, gh, j] = dot * scale
-        for r in range(R):
-            for gh in range(G):
-                bmax = neg_inf
-                for j in range(n):
-                    bmax = max(bmax, s[r, gh, j])
-                if bmax == neg_inf:
-                    for j in range(n):
-                        s[r, gh, j] = 0.0
-                    continue
-                m_new = max(m[r, gh], bmax)
-                corr = np.exp(m[r, gh] - m_new)
-                l[r, gh] *= corr
-                for d in range(D):
-                    acc[r, gh, d] *= corr
-                total = np.float32(0.0)
-                for j in range(n):
-                    p = np.exp(s[r, gh, j] - m_new)
-                    s[r, gh, j] = p
-                    total += p
-                l[r, gh] += total
-                m[r, gh] = m_new
+        _rescale(s, n, m, l, acc)
         for j in range(n):
             t = b0 + j
             vrow = kv[table[t // ps], t % ps, g, 1]
