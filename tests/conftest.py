@@ -1,6 +1,16 @@
+import numba
 import pytest
 
 from tinygguf import write_tiny_llama
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    """Run the test with 1 and with 2 Numba threads, restoring the count afterwards."""
+    old = numba.get_num_threads()
+    numba.set_num_threads(min(request.param, numba.config.NUMBA_NUM_THREADS))
+    yield request.param
+    numba.set_num_threads(old)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,4 @@
 """npllama.quants.dequantize against gguf.quants.dequantize: bit-exact for every supported type."""
-import numba
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -40,14 +39,6 @@ def finite_f16_bits(rng, shape):
 def assert_bit_exact(got, ref):
     assert got.dtype == np.float32 and got.shape == ref.shape
     np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
-
-
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    old = numba.get_num_threads()
-    numba.set_num_threads(min(request.param, numba.config.NUMBA_NUM_THREADS))
-    yield request.param
-    numba.set_num_threads(old)
 
 
 @pytest.mark.parametrize("qtype", quants.SUPPORTED_TYPES, ids=lambda t: t.name)

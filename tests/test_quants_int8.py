@@ -20,14 +20,6 @@ from test_quants import random_blocks
 INT8_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1]
 
 
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    old = numba.get_num_threads()
-    numba.set_num_threads(min(request.param, numba.config.NUMBA_NUM_THREADS))
-    yield request.param
-    numba.set_num_threads(old)
-
-
 # ---------------------------------------------------------------------------------------
 # NumPy references
 # ---------------------------------------------------------------------------------------
