@@ -151,26 +151,60 @@ def _decode_kernel(q, kv, t0, t1, qpos, window, chunk, scale, softcap, mask, use
         hi = min(t1, lo + chunk)
         _accumulate(q, kv, 0, qpos, g, lo, hi, window, scale, softcap, mask, use_mask, alibi, use_alibi,
                     part_m[g, c], part_l[g, c], part_acc[g, c], s)
-    # merge the chunks of each head
     for h in prange(H):
-        g = h // G
-        gh = h % G
-        top = np.float32(-np.inf)
-        for c in range(n_chunks):
-            top = max(top, part_m[g, c, 0, gh])
-        for d in range(D):
-            out[0, h, d] = 0.0
-        if top == -np.inf:
-            continue
-        total = np.float32(0.0)
-        for c in range(n_chunks):
-            w = np.exp(part_m[g, c, 0, gh] - top)
-            total += w * part_l[g, c, 0, gh]
-            for d in range(D):
-                out[0, h, d] += w * part_acc[g, c, 0, gh, d]
-        inv = np.float32(1.0) / total
-        for d in range(D):
-            out[0, h, d] *= inv
+        g, gh = h // G, h % G
+        _merge_chunks(part_m[g, :, 0, gh], part_l[g, :, 0, gh], part_acc[g, :, 0, gh], out[0, h])
+
+
+@njit(fastmath=_FASTMATH, cache=True)
+def _merge_chunks(m, l, acc, out):
+    """out (D,) = one query head's attention output, merged from the running states of its
+    chunks of keys: maxima m, sums l (n_chunks,) and outputs acc (n_chunks, D). Zero where no
+    chunk saw a key."""
+    top = np.float32(-np.inf)
+    for c in range(m.shape[0]):
+        top = max(top, m[c])
+    out[:] = 0.0
+    if top == -np.inf:
+        return
+    total = np.float32(0.0)
+    for c in range(m.shape[0]):
+        w = np.exp(m[c] - top)
+        total += w * l[c]
+        for d in range(out.shape[0]):
+            out[d] += w * acc[c, d]
+    inv = np.float32(1.0) / total
+    for d in range(out.shape[0]):
+        out[d] *= inv
+
+
+@njit(fastmath=_FASTMATH, cache=True)
+def _decode_chunk(qs, kv, t0, t1, m, l, acc, s):
+    """Fold keys t0..t1-1 of every KV head into the running state of one query, in the plain
+    causal case (all of them visible; no mask, window, softcap or ALiBi): the fused decode
+    step's attention. Each (position, KV head) record of the cache is read once, in order.
+
+    qs: (KVH, G, D) the query heads grouped by KV head, already multiplied by the scale;
+    kv: (cap, KVH, 2, D); m, l: (KVH, G) running max / sum; acc: (KVH, G, D) running output;
+    s: (KVH, G, _BLOCK) scratch.
+    """
+    KVH, G, D = qs.shape
+    for b0 in range(t0, t1, _BLOCK):
+        n = min(_BLOCK, t1 - b0)
+        for j in range(n):
+            for g in range(KVH):
+                for gh in range(G):
+                    dot = np.float32(0.0)
+                    for d in range(D):
+                        dot += qs[g, gh, d] * kv[b0 + j, g, 0, d]
+                    s[g, gh, j] = dot
+        _rescale(s, n, m, l, acc)
+        for j in range(n):
+            for g in range(KVH):
+                for gh in range(G):
+                    p = s[g, gh, j]
+                    for d in range(D):
+                        acc[g, gh, d] += p * kv[b0 + j, g, 1, d]
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)

@@ -1,11 +1,19 @@
-"""The fused decode step: one token through every layer in a single compiled call.
+"""The fused decode step: one token through every layer in a single compiled call and a
+single parallel region.
 
 Decoding one token is a chain of ~12 small kernels per layer. Called one by one from Python,
-their wrappers (argument checks, dispatch) cost as much as the arithmetic on a small model.
-`DecodePlan` gathers the per-layer weights once, as tuples of zero-copy views indexed by layer
-inside compiled code, and `_decode_step` runs embedding, all layers, the output norm and the
-output head without returning to Python. It writes the new key and value rows straight into
-the KV cache buffers; the caller commits them to the cache afterwards.
+their wrappers cost as much as the arithmetic on a small model; launched one by one as
+parallel kernels, the fork/join of ~270 parallel regions per token costs about as much again.
+`_decode_step` runs embedding, all layers, the output norm and the output head in one
+``prange`` over the threads: every thread runs `_worker`, which does the small per-token
+work itself and takes its share of each product and of attention as work items from atomic
+counters (npllama.workshare).
+
+The weights are addressed as (type, byte offset, rows, row bytes) entries into the model
+file's memory map (`DecodePlan.table`) rather than as tuples of arrays: a tuple indexed by
+layer inside compiled code becomes a branch per layer at every use, which made compiling a
+30-layer step take minutes. The new key and value rows are written straight into the KV
+cache's array; the caller commits them afterwards.
 """
 from __future__ import annotations
 
@@ -13,26 +21,35 @@ import math
 
 import numba
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
-from .attention import _MIN_CHUNK, _NO_ALIBI, _NO_MASK, _TASKS_PER_THREAD, _decode_kernel
+from .attention import _BLOCK, _TASKS_PER_THREAD, _decode_chunk, _merge_chunks
 from .kernels import _rmsnorm_row, _rope_row, _swiglu_row
-from .quants import _deq_row, _matvec
-from .quants_int8 import _has_i8, _matvec_i8, _quantize_x_q8
+from .quants import _block_sums, _deq_row, _rows_f32
+from .quants_int8 import _has_i8, _quantize_x_q8, _rows_i8
+from .workshare import _finish, _take, _wait, phase_size
 
-_WQ, _WK, _WV, _WO, _WG, _WU, _WD = range(7)
+_MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the products of a layer, in order
+_STEPS = len(_MATRICES)
+_ATT = _STEPS  # the attention's counters follow the products'
+
+
+def _entry(buffer: np.ndarray, w) -> tuple[int, int, int, int]:
+    """(type code, byte offset in `buffer`, rows, row bytes) of the QWeight `w`, a view on it."""
+    lo = buffer.__array_interface__["data"][0]
+    start = w.data.__array_interface__["data"][0]
+    if not (w.data.flags.c_contiguous and lo <= start and start + w.data.nbytes <= lo + buffer.nbytes):
+        raise ValueError(f"weight {w.name} is not a contiguous view of the model file")
+    return int(w.qtype), start - lo, w.data.shape[0], w.data.shape[1]
 
 
 class DecodePlan:
-    """Per-layer weights of a model, arranged for `_decode_step` (built once per model)."""
+    """A model's weights arranged for `_decode_step` (built once per model)."""
 
     def __init__(self, model, *, int8: bool = False):
         self.int8 = int8  # quantize activations to int8 blocks for the integer-dot kernels
         layers = model.layers
         cfg = model.config
-
-        def weights(attr):
-            return tuple(np.ascontiguousarray(getattr(L, attr).data) for L in layers)
 
         def stack(attr, width):
             rows = [getattr(L, attr) for L in layers]
@@ -41,10 +58,15 @@ class DecodePlan:
             return np.ascontiguousarray(np.stack(rows), dtype=np.float32).reshape(len(layers), width)
 
         q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
-        self.w = tuple(weights(a) for a in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"))
-        # codes[layer, i]: quant type of weight i (_WQ.._WD) in that layer
-        self.codes = np.array([[int(getattr(L, a).qtype) for a in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")]
-                               for L in layers], dtype=np.int64)
+        self.buffer = model.file.buffer
+        # table[layer, step]: the weight of product `step` (_MATRICES order) of that layer;
+        # table[n_layer, 0]: the output head; table[n_layer, 1]: the token embedding
+        table = np.zeros((cfg.n_layer + 1, _STEPS, 4), np.int64)
+        for li, L in enumerate(layers):
+            table[li] = [_entry(self.buffer, getattr(L, a)) for a in _MATRICES]
+        table[cfg.n_layer, 0] = _entry(self.buffer, model.output)
+        table[cfg.n_layer, 1] = _entry(self.buffer, model.token_embd)
+        self.table = table
         self.attn_norm = stack("attn_norm", cfg.n_embd)  # (n_layer, n_embd)
         self.ffn_norm = stack("ffn_norm", cfg.n_embd)    # (n_layer, n_embd)
         self.bq = stack("bq", q_dim)                     # (n_layer, q_dim) or (n_layer, 0)
@@ -57,77 +79,211 @@ class DecodePlan:
         layer's K and V and commits it."""
         m, cfg = self.model, self.model.config
         cache.ensure_capacity(pos + 1)
-        n_chunks = max(1, min(-(-_TASKS_PER_THREAD * numba.get_num_threads() // cfg.n_head_kv),
-                              (pos + 1) // _MIN_CHUNK))
-        chunk = max(1, -(-(pos + 1) // n_chunks))
+        threads = numba.get_num_threads()
+        # attention work items: chunks of keys, at least a block each
+        n_chunks = max(1, min(_TASKS_PER_THREAD * threads, (pos + 1) // _BLOCK))
+        chunk = -(-(pos + 1) // n_chunks)
         logits = np.empty(cfg.n_vocab, np.float32)
-        _decode_step(token, pos, chunk, m.token_embd.data, int(m.token_embd.qtype), *self.w, self.codes,
-                     self.attn_norm, self.ffn_norm, self.bq, self.bk, self.bv, cache.buffers(),
-                     m.rope.cos, m.rope.sin, m.rope.neox, np.float32(cfg.rms_eps),
-                     np.float32(1.0 / math.sqrt(cfg.head_dim)), cfg.n_head, m.output_norm,
-                     m.output.data, int(m.output.qtype), self.int8, logits)
+        _decode_step(token, pos, chunk, self.buffer, self.table, self.attn_norm, self.ffn_norm, self.bq, self.bk,
+                     self.bv, cache.buffers(), m.rope.cos, m.rope.sin, m.rope.neox, np.float32(cfg.rms_eps),
+                     np.float32(1.0 / math.sqrt(cfg.head_dim)), cfg.n_head, m.output_norm, self.int8, logits,
+                     threads)
         cache.commit(1)
         return logits
 
 
+_ITEM_BYTES = 16384  # weight bytes per work item of a product (rows are never split)
+
+
 @njit(cache=True)
-def _project(code, w, x, out, int8, qs, d, s):
-    """out = W x, by the int8 kernel (quantizing x into qs, d, s) when enabled and available.
-    Quantizing costs well under a microsecond, so it is simply done for every product."""
-    if int8 and _has_i8(code):
-        _quantize_x_q8(x, qs, d, s)
-        _matvec_i8(code, w, x, qs, d, s, out)
+def _item_rows(w):
+    """Rows of weight ``w`` per work item."""
+    return max(1, _ITEM_BYTES // max(1, w.shape[1]))
+
+
+@njit(cache=True)
+def _prepare(x, int8, xsum, qx, dx, sx):
+    """The forms of an activation x that the products read: its int8 blocks (qx, dx, sx) in
+    int8 mode, else its block sums xsum."""
+    if int8:
+        _quantize_x_q8(x, qx, dx, sx)
     else:
-        _matvec(code, w, x, out)
+        _block_sums(x, xsum)
 
 
 @njit(cache=True)
-def _decode_step(token, pos, chunk, embd, embd_code, wq, wk, wv, wo, wg, wu, wd, codes,
-                 attn_norm, ffn_norm, bq, bk, bv, kvs, cos, sin, neox, eps, scale, H,
-                 out_norm, out_w, out_code, int8, logits):
+def _rows(code, w, r0, r1, x, xsum, qx, dx, sx, int8, out, scratch):
+    """out[r] = dot(row r of w, x) for r in r0..r1-1, by the int8 kernel where on and present."""
+    if int8 and _has_i8(code):
+        _rows_i8(code, w, r0, r1, qx, dx, sx, out)
+    else:
+        _rows_f32(code, w, r0, r1, x, xsum, out, scratch)
+
+
+@njit(cache=True)
+def _weight(buffer, entry):
+    """The (rows, row bytes) uint8 view of the weight of a DecodePlan.table entry."""
+    return buffer[entry[1]:entry[1] + entry[2] * entry[3]].reshape(entry[2], entry[3])
+
+
+@njit(cache=True)
+def _product(ctr, slot, home, nr, code, w, x, xsum, qx, dx, sx, int8, out, scratch):
+    """Take items of ``out = W x`` from the phase at ``slot`` (``nr`` ranges, this thread's
+    is ``home``) until none is left, and publish them. Returns the number of items."""
+    rows = w.shape[0]
+    per = _item_rows(w)
+    n_items = (rows + per - 1) // per
+    done = 0
+    while True:
+        i = _take(ctr, slot, home, nr, n_items)
+        if i < 0:
+            break
+        _rows(code, w, i * per, min(rows, (i + 1) * per), x, xsum, qx, dx, sx, int8, out, scratch)
+        done += 1
+    _finish(ctr, slot, nr, done)
+    return n_items
+
+
+@njit(cache=True)
+def _slot(li, step, nr):
+    """First counter of the phase of a step of layer li (the output head: layer n_layer,
+    step 0), for ``nr`` ranges per phase."""
+    return (li * (_STEPS + 1) + step) * phase_size(nr)
+
+
+@njit(cache=True)
+def _worker(ctr, home, nr, token, pos, chunk, buffer, table, attn_norm, ffn_norm, bq, bk, bv, kvs, cos, sin, neox, eps,
+            scale, H, out_norm, int8, logits, res, offs, part_m, part_l, part_acc):
+    """One thread's share of a decode step. Every thread keeps its own copy of the residual
+    stream and of the small per-token values (norms, RoPE, SwiGLU, quantized activations),
+    computed identically from the shared results; the products and attention are shared out.
+
+    res[li, offs[s]:offs[s + 1]]: the result of product s of layer li. A layer's steps run in
+    one loop around a single product call (one inlined copy of the product kernels keeps
+    compile time down); the private work before a product depends on the step."""
     n_layer, n_embd = attn_norm.shape
-    KVH, D = kvs[0].shape[1], kvs[0].shape[3]
-    n_ff = wg[0].shape[0]
-    # the small per-token steps (norms, rope, swiglu) run serially: a parallel region costs
-    # more than they do
+    KVH, D = kvs.shape[2], kvs.shape[4]
+    q_dim, n_ff = H * D, offs[5] - offs[4]
+    width = max(n_embd, q_dim, n_ff)
     x = np.empty(n_embd, np.float32)            # residual stream
-    h = np.empty(n_embd, np.float32)            # normed input of a block
-    tmp = np.empty(n_embd, np.float32)
-    q = np.empty((1, H, D), np.float32)
-    k = np.empty((1, KVH, D), np.float32)
-    v = np.empty((1, KVH, D), np.float32)
-    att = np.empty((1, H, D), np.float32)
-    gate = np.empty(n_ff, np.float32)
-    up = np.empty(n_ff, np.float32)
-    # int8 forms (values, block scales, block sums) of the activations that feed products,
-    # used when int8 is on: the normed h (n_embd), the attention output (H*D), the FFN's (n_ff)
+    h = np.empty(width, np.float32)             # input of the next products
+    he, ha, hf = h[:n_embd], h[:q_dim], h[:n_ff]
+    xsum = np.empty(width // 32, np.float32)
+    # int8 forms (values, block scales, block sums) of the products' inputs in int8 mode:
+    # the normed x (n_embd), the attention output (q_dim), the FFN's (n_ff)
     qe, de, se = np.empty(n_embd, np.int8), np.empty(n_embd // 32, np.float32), np.empty(n_embd // 32, np.float32)
-    qa, da, sa = np.empty(H * D, np.int8), np.empty(H * D // 32, np.float32), np.empty(H * D // 32, np.float32)
+    qa, da, sa = np.empty(q_dim, np.int8), np.empty(q_dim // 32, np.float32), np.empty(q_dim // 32, np.float32)
     qf, df, sf = np.empty(n_ff, np.int8), np.empty(n_ff // 32, np.float32), np.empty(n_ff // 32, np.float32)
-    _deq_row(embd_code, embd[token], x)
-    for li in range(n_layer):
-        kv = kvs[li]
-        _rmsnorm_row(x, attn_norm[li], eps, h)
-        _project(codes[li, _WQ], wq[li], h, q.reshape(H * D), int8, qe, de, se)
-        _project(codes[li, _WK], wk[li], h, k.reshape(KVH * D), int8, qe, de, se)
-        _project(codes[li, _WV], wv[li], h, v.reshape(KVH * D), int8, qe, de, se)
-        if bq.shape[1]:
-            q.reshape(H * D)[:] += bq[li]
-            k.reshape(KVH * D)[:] += bk[li]
-            v.reshape(KVH * D)[:] += bv[li]
-        _rope_row(q[0], pos, cos, sin, neox)
-        _rope_row(k[0], pos, cos, sin, neox)
-        kv[pos, :, 0, :] = k[0]
-        kv[pos, :, 1, :] = v[0]
-        _decode_kernel(q, kv, 0, pos + 1, pos, 0, chunk, scale, np.float32(0.0), _NO_MASK, False,
-                       _NO_ALIBI, False, att)
-        _project(codes[li, _WO], wo[li], att.reshape(H * D), tmp, int8, qa, da, sa)
-        x += tmp
-        _rmsnorm_row(x, ffn_norm[li], eps, h)
-        _project(codes[li, _WG], wg[li], h, gate, int8, qe, de, se)
-        _project(codes[li, _WU], wu[li], h, up, int8, qe, de, se)
-        _swiglu_row(gate, up, gate)
-        _project(codes[li, _WD], wd[li], gate, tmp, int8, qf, df, sf)
-        x += tmp
-    _rmsnorm_row(x, out_norm, eps, h)
-    _project(out_code, out_w, h, logits, int8, qe, de, se)
+    scratch = np.empty(width, np.float32)
+    q = np.empty((KVH, H // KVH, D), np.float32)
+    k = np.empty((KVH, D), np.float32)
+    v = np.empty((KVH, D), np.float32)
+    s = np.empty((KVH, H // KVH, _BLOCK), np.float32)
+    n_items = np.zeros(_STEPS, np.int64)
+    embd = table[n_layer, 1]
+    _deq_row(embd[0], _weight(buffer, embd)[token], x)
+    for li in range(n_layer + 1):
+        for step in range(_STEPS if li < n_layer else 1):
+            if li == n_layer:  # the output head
+                _rmsnorm_row(x, out_norm, eps, he)
+                _prepare(he, int8, xsum, qe, de, se)
+                out = logits
+            else:
+                if step == 0:
+                    _rmsnorm_row(x, attn_norm[li], eps, he)
+                    _prepare(he, int8, xsum, qe, de, se)
+                elif step == 3:
+                    _attention(ctr, home, nr, li, pos, chunk, res[li], offs, n_items, q, k, v, bq, bk, bv, kvs[li], cos, sin,
+                               neox, scale, part_m[li], part_l[li], part_acc[li], s, ha)
+                    _prepare(ha, int8, xsum, qa, da, sa)
+                elif step == 4:
+                    _wait(ctr, _slot(li, 3, nr), nr, n_items[3])
+                    x += res[li, offs[3]:offs[4]]
+                    _rmsnorm_row(x, ffn_norm[li], eps, he)
+                    _prepare(he, int8, xsum, qe, de, se)
+                elif step == 6:
+                    _wait(ctr, _slot(li, 4, nr), nr, n_items[4])
+                    _wait(ctr, _slot(li, 5, nr), nr, n_items[5])
+                    _swiglu_row(res[li, offs[4]:offs[5]], res[li, offs[5]:offs[6]], hf)
+                    _prepare(hf, int8, xsum, qf, df, sf)
+                out = res[li, offs[step]:offs[step + 1]]
+            if step == 3:
+                xin, qx, dx, sx = ha, qa, da, sa
+            elif step == 6:
+                xin, qx, dx, sx = hf, qf, df, sf
+            else:
+                xin, qx, dx, sx = he, qe, de, se
+            entry = table[li, step]
+            n_items[step] = _product(ctr, _slot(li, step, nr), home, nr, entry[0], _weight(buffer, entry), xin, xsum, qx, dx, sx,
+                                     int8, out, scratch)
+        if li < n_layer:
+            _wait(ctr, _slot(li, 6, nr), nr, n_items[6])
+            x += res[li, offs[6]:offs[7]]
+    _wait(ctr, _slot(n_layer, 0, nr), nr, n_items[0])
+
+
+@njit(cache=True)
+def _attention(ctr, home, nr, li, pos, chunk, res, offs, n_items, q, k, v, bq, bk, bv, kv, cos, sin, neox, scale,
+               part_m, part_l, part_acc, s, out):
+    """A thread's part of layer li's attention: wait for q, k, v; RoPE them (privately) and
+    write the new key and value rows; take chunks of keys as items (every KV head of a chunk
+    at once); merge every head's chunks into out (H * D).
+
+    q: (KVH, G, D) scratch for the scaled query; k, v: (KVH, D); part_m, part_l:
+    (n_chunks, KVH, G) and part_acc (n_chunks, KVH, G, D): the chunks' running states."""
+    KVH, G, D = q.shape
+    n_chunks = part_m.shape[0]
+    for step in range(3):
+        _wait(ctr, _slot(li, step, nr), nr, n_items[step])
+    q.reshape(KVH * G * D)[:] = res[offs[0]:offs[1]]
+    k.reshape(KVH * D)[:] = res[offs[1]:offs[2]]
+    v.reshape(KVH * D)[:] = res[offs[2]:offs[3]]
+    if bq.shape[1]:
+        q.reshape(KVH * G * D)[:] += bq[li]
+        k.reshape(KVH * D)[:] += bk[li]
+        v.reshape(KVH * D)[:] += bv[li]
+    _rope_row(q.reshape(KVH * G, D), pos, cos, sin, neox)
+    _rope_row(k, pos, cos, sin, neox)
+    q *= scale
+    # every thread writes the same new row, before any of its own reads of it
+    kv[pos, :, 0, :] = k
+    kv[pos, :, 1, :] = v
+    slot = _slot(li, _ATT, nr)
+    done = 0
+    while True:
+        c = _take(ctr, slot, home, nr, n_chunks)
+        if c < 0:
+            break
+        part_m[c] = -np.inf
+        part_l[c] = 0.0
+        part_acc[c] = 0.0
+        _decode_chunk(q, kv, c * chunk, min(pos + 1, (c + 1) * chunk), part_m[c], part_l[c], part_acc[c], s)
+        done += 1
+    _finish(ctr, slot, nr, done)
+    _wait(ctr, slot, nr, n_chunks)
+    for h in range(KVH * G):
+        g, gh = h // G, h % G
+        _merge_chunks(part_m[:, g, gh], part_l[:, g, gh], part_acc[:, g, gh], out[h * D:(h + 1) * D])
+
+
+@njit(parallel=True, cache=True)
+def _decode_step(token, pos, chunk, buffer, table, attn_norm, ffn_norm, bq, bk, bv, kvs, cos, sin, neox, eps, scale,
+                 H, out_norm, int8, logits, n_threads):
+    """One token through every layer in one parallel region: each thread runs `_worker`, and
+    the products and attention are shared out as work items (see npllama.workshare)."""
+    n_layer = attn_norm.shape[0]
+    KVH, D = kvs.shape[2], kvs.shape[4]
+    n_chunks = max(1, (pos + chunk) // chunk)
+    # the shared results, one set per layer: a fast thread may run layers ahead of one still
+    # reading the previous layer's results
+    offs = np.zeros(_STEPS + 1, np.int64)
+    for step in range(_STEPS):
+        offs[step + 1] = offs[step] + table[0, step, 2]
+    res = np.empty((n_layer, offs[_STEPS]), np.float32)
+    part_m = np.empty((n_layer, n_chunks, KVH, H // KVH), np.float32)
+    part_l = np.empty((n_layer, n_chunks, KVH, H // KVH), np.float32)
+    part_acc = np.empty((n_layer, n_chunks, KVH, H // KVH, D), np.float32)
+    ctr = np.zeros(_slot(n_layer + 1, 0, n_threads), np.int64)
+    for home in prange(n_threads):
+        _worker(ctr, home, n_threads, token, pos, chunk, buffer, table, attn_norm, ffn_norm, bq, bk, bv, kvs, cos, sin, neox, eps,
+                scale, H, out_norm, int8, logits, res, offs, part_m, part_l, part_acc)

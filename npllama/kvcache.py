@@ -5,6 +5,8 @@ KV head sit next to each other, so that attention streams one contiguous region:
 
     buffer(layer): (capacity, n_kv_heads, 2, head_dim)   [:, :, 0, :] = K, [:, :, 1, :] = V
 
+The layers' buffers are the slices of one array, buffers(): (n_layers, capacity, ...).
+
 Every layer keeps its own fill count. A forward pass appends to layer 0, then layer 1, and
 so on, so while a pass is under way the early layers hold more positions than the late ones;
 `length` is the number of positions stored in every layer (the minimum over layers) and
@@ -14,7 +16,7 @@ amount, as long as they all catch up before `length` is relied on.
 All layers share one capacity. When an append needs more room, capacity grows to the larger
 of twice the old capacity and the next power of two that holds the request (so a cache
 built with capacity 0 goes 0 -> 1 -> 2 -> 4 ...), and the filled rows are copied once into
-the new buffers. Appends write only the new rows, in place.
+the new array. Appends write only the new rows, in place.
 """
 from __future__ import annotations
 
@@ -55,12 +57,12 @@ class KVCache:
         self.head_dim = int(head_dim)
         self.dtype = dtype
         self._capacity = int(capacity)
-        # one (capacity, n_kv_heads, 2, head_dim) buffer per layer
-        self._bufs = [self._alloc(self._capacity) for _ in range(self.n_layers)]
+        # layer l's (capacity, n_kv_heads, 2, head_dim) buffer is self._buf[l]
+        self._buf = self._alloc(self._capacity)
         self._lens = [0] * self.n_layers
 
     def _alloc(self, capacity: int) -> np.ndarray:
-        return np.empty((capacity, self.n_kv_heads, 2, self.head_dim), dtype=self.dtype)
+        return np.empty((self.n_layers, capacity, self.n_kv_heads, 2, self.head_dim), dtype=self.dtype)
 
     @property
     def capacity(self) -> int:
@@ -75,7 +77,7 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes allocated by all layer buffers together."""
-        return sum(b.nbytes for b in self._bufs)
+        return self._buf.nbytes
 
     def _check_layer(self, layer) -> int:
         if not _is_index(layer, 0, self.n_layers):
@@ -92,7 +94,7 @@ class KVCache:
         Only the first `layer_length(layer)` rows hold data. The array is replaced when the
         cache grows, so fetch it again after an append rather than keeping it.
         """
-        return self._bufs[self._check_layer(layer)]
+        return self._buf[self._check_layer(layer)]
 
     def ensure_capacity(self, n: int) -> None:
         """Make room for at least `n` positions per layer, growing as `append` would."""
@@ -102,12 +104,10 @@ class KVCache:
         if n <= self._capacity:
             return
         new_cap = max(2 * self._capacity, 1 << (n - 1).bit_length())
-        bufs = []
-        for buf, filled in zip(self._bufs, self._lens):
-            new = self._alloc(new_cap)
-            new[:filled] = buf[:filled]
-            bufs.append(new)
-        self._bufs = bufs
+        new = self._alloc(new_cap)
+        for layer, filled in enumerate(self._lens):
+            new[layer, :filled] = self._buf[layer, :filled]
+        self._buf = new
         self._capacity = new_cap
 
     def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> int:
@@ -136,15 +136,16 @@ class KVCache:
         pos = self._lens[layer]
         end = pos + k.shape[0]
         self.ensure_capacity(end)
-        buf = self._bufs[layer]
+        buf = self._buf[layer]
         buf[pos:end, :, 0, :] = k
         buf[pos:end, :, 1, :] = v
         self._lens[layer] = end
         return end
 
-    def buffers(self) -> tuple[np.ndarray, ...]:
-        """Every layer's raw buffer, for a fused kernel that writes the next position in place."""
-        return tuple(self._bufs)
+    def buffers(self) -> np.ndarray:
+        """All layers' raw buffers, (n_layers, capacity, n_kv_heads, 2, head_dim), for a fused
+        kernel that writes the next position in place."""
+        return self._buf
 
     def commit(self, n: int = 1) -> None:
         """Count `n` more positions as stored in every layer: a fused kernel has written rows
@@ -158,14 +159,14 @@ class KVCache:
     def get(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Zero-copy views (k, v) of one layer, each (layer_length, n_kv_heads, head_dim)."""
         layer = self._check_layer(layer)
-        filled = self._bufs[layer][:self._lens[layer]]
+        filled = self._buf[layer, :self._lens[layer]]
         return filled[:, :, 0, :], filled[:, :, 1, :]
 
     def fork(self) -> KVCache:
         """An independent copy (same capacity, same contents) that shares no memory with this one."""
         other = KVCache(self.n_layers, self.n_kv_heads, self.head_dim, self._capacity, self.dtype)
-        for dst, src, filled in zip(other._bufs, self._bufs, self._lens):
-            dst[:filled] = src[:filled]
+        for layer, filled in enumerate(self._lens):
+            other._buf[layer, :filled] = self._buf[layer, :filled]
         other._lens = list(self._lens)
         return other
 

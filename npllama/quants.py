@@ -24,7 +24,9 @@ Njit level, for fused kernels (C-contiguous arrays and scalars only; they never 
 
 Dequantization reproduces gguf's float32 arithmetic order exactly (float16 scales are
 widened to float32 first, products are rounded before sums, no fused multiply-add), so
-those kernels are compiled without fastmath. The product kernels use fastmath without
+those kernels are compiled without fastmath, and say so explicitly (``fastmath=False``):
+a Numba function that leaves fastmath unset inherits it from the first fast-math caller that
+compiles it, and the disk cache keeps that version. The product kernels use fastmath without
 nnan/ninf and agree with dequantize-then-dot up to float32 summation order.
 """
 from __future__ import annotations
@@ -212,7 +214,7 @@ def _f16_to_f32(typingctx, bits):
     return types.float32(bits), codegen
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _f16_at(src, o):
     """The little-endian float16 at byte offset ``o`` of uint8 array ``src``, as float32."""
     return _f16_to_f32(np.uint32(src[o]) | (np.uint32(src[o + 1]) << 8))
@@ -222,19 +224,19 @@ def _f16_at(src, o):
 # Row dequantizers: src is one C-contiguous uint8 row of whole blocks, dst its float32 row.
 # ---------------------------------------------------------------------------------------
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _deq_row_f32(src, dst):
     dst.view(np.uint32)[:] = src.view(np.uint32)
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _deq_row_f16(src, dst):
     h = src.view(np.uint16)
     for i in range(dst.shape[0]):
         dst[i] = _f16_to_f32(h[i])
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _deq_row_bf16(src, dst):
     h = src.view(np.uint16)
     u = dst.view(np.uint32)
@@ -242,7 +244,7 @@ def _deq_row_bf16(src, dst):
         u[i] = np.uint32(h[i]) << 16
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _deq_row_q8_0(src, dst):
     # block (34 B): d f16 | qs int8[32];  y[j] = qs[j] * d
     qs = src.view(np.int8)
@@ -253,7 +255,7 @@ def _deq_row_q8_0(src, dst):
             dst[b * 32 + j] = np.float32(qs[o + 2 + j]) * d
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _deq_row_q4_0(src, dst):
     # block (18 B): d f16 | qs u8[16];  y[j] = d*((qs[j]&15)-8), y[j+16] = d*((qs[j]>>4)-8)
     for b in range(dst.shape[0] // 32):
@@ -266,7 +268,7 @@ def _deq_row_q4_0(src, dst):
             dst[y + 16 + j] = d * np.float32((q >> 4) - 8)
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _deq_row_q4_1(src, dst):
     # block (20 B): d f16 | m f16 | qs u8[16];  y[j] = d*(qs[j]&15) + m, y[j+16] = d*(qs[j]>>4) + m
     for b in range(dst.shape[0] // 32):
@@ -280,7 +282,7 @@ def _deq_row_q4_1(src, dst):
             dst[y + 16 + j] = d * np.float32(q >> 4) + m
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _deq_row_q5_0(src, dst):
     # block (22 B): d f16 | qh u32 (bit j = 5th bit of element j) | qs u8[16] (low nibbles:
     # elements 0..15, high nibbles: 16..31);  y = d * (q5 - 16)
@@ -298,7 +300,7 @@ def _deq_row_q5_0(src, dst):
             dst[y + 16 + j] = d * np.float32(hi - 16)
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _deq_row_q5_1(src, dst):
     # block (24 B): d f16 | m f16 | qh u32 | qs u8[16] (as Q5_0);  y = d * q5 + m
     for b in range(dst.shape[0] // 32):
@@ -316,7 +318,7 @@ def _deq_row_q5_1(src, dst):
             dst[y + 16 + j] = d * np.float32(hi) + m
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _deq_row_q2_k(src, dst):
     # super-block (84 B, 256 elements in 16 sub-blocks of 16):
     #   scales u8[16] @0   low nibble: scale, high nibble: min, of sub-block s
@@ -341,7 +343,7 @@ def _deq_row_q2_k(src, dst):
                 dst[y + s * 16 + i] = dl * np.float32(q) - ml
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _deq_row_q3_k(src, dst):
     # super-block (110 B, 256 elements in 16 sub-blocks of 16):
     #   hmask  u8[32] @0   element e = k*32 + l (k<8) has high bit (hmask[l] >> k) & 1;
@@ -376,7 +378,7 @@ def _deq_row_q3_k(src, dst):
                 dst[y + s * 16 + i] = dl * np.float32(q)
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _k_scale_min(src, o, j):
     """Q4_K/Q5_K 6-bit (scale, min) of sub-block j from the 12 bytes at src[o:]:
         bytes 0..3  (j<4): scale j in bits 0-5; bits 6-7 are bits 4-5 of scale j+4
@@ -390,7 +392,7 @@ def _k_scale_min(src, o, j):
     return sc, mn
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _deq_row_q4_k(src, dst):
     # super-block (144 B, 256 elements in 8 sub-blocks of 32):
     #   d f16 @0, dmin f16 @2, scales u8[12] @4 (see _k_scale_min)
@@ -412,7 +414,7 @@ def _deq_row_q4_k(src, dst):
                 dst[y + j * 32 + l] = dl * np.float32(q) - ml
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _deq_row_q5_k(src, dst):
     # super-block (176 B, 256 elements in 8 sub-blocks of 32):
     #   d f16 @0, dmin f16 @2, scales u8[12] @4 (see _k_scale_min)
@@ -435,7 +437,7 @@ def _deq_row_q5_k(src, dst):
                 dst[y + j * 32 + l] = dl * np.float32(q) - ml
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _deq_row_q6_k(src, dst):
     # super-block (210 B, 256 elements in 16 sub-blocks of 16), two halves h of 128:
     #   ql u8[128] @0:   element h*128 + k*64 + l (k<2, l<64): low 4 bits (ql[h*64 + l] >> 4k) & 15
@@ -457,7 +459,7 @@ def _deq_row_q6_k(src, dst):
                 dst[y + s * 16 + i] = dl * np.float32((lo | (hi << 4)) - 32)
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _deq_row(code, src, dst):
     """Dequantize one row of type ``code`` (= int(GGMLQuantizationType)); unknown codes are a no-op."""
     if code == _Q4_1:
@@ -488,7 +490,7 @@ def _deq_row(code, src, dst):
         _deq_row_q6_k(src, dst)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, fastmath=False)
 def _dequantize_rows(code, src, dst):
     """Row-parallel dequantization of uint8 rows ``src`` into float32 rows ``dst``."""
     for r in prange(src.shape[0]):
@@ -599,15 +601,21 @@ def _matvec_q4_0(data, x, out):
         out[r] = _dot_row_q4_0(data[r], x, nb)
 
 
-@njit(parallel=True, cache=True, fastmath=_FAST)
-def _matvec_q4_1(data, x, out):
-    nb = x.shape[0] // 32
-    xsum = np.empty(nb, np.float32)  # block sums of x, shared by all rows
-    for b in range(nb):
+@njit(cache=True, fastmath=_FAST)
+def _block_sums(x, xsum):
+    """xsum[b] = sum of x[32b : 32b + 32], the term of Q4_1's block minimum in its dots."""
+    for b in range(xsum.shape[0]):
         s = np.float32(0.0)
         for j in range(32):
             s += x[b * 32 + j]
         xsum[b] = s
+
+
+@njit(parallel=True, cache=True)
+def _matvec_q4_1(data, x, out):
+    nb = x.shape[0] // 32
+    xsum = np.empty(nb, np.float32)  # block sums of x, shared by all rows
+    _block_sums(x, xsum)
     for r in prange(data.shape[0]):
         out[r] = _dot_row_q4_1(data[r], x, xsum, nb)
 
@@ -627,6 +635,31 @@ def _matvec_dequant(code, data, x, out):
             acc = np.float32(0.0)
             for i in range(n):
                 acc += scratch[i] * x[i]
+            out[r] = acc
+
+
+@njit(cache=True, fastmath=_FAST)
+def _rows_f32(code, data, r0, r1, x, xsum, out, scratch):
+    """out[r] = dot(row r of ``data``, x) for r in r0..r1-1, on the calling thread. ``xsum``:
+    ``_block_sums(x)`` (read for Q4_1); ``scratch``: float32 (n,) (types without a direct dot
+    dequantize a row into it)."""
+    nb = x.shape[0] // 32
+    if code == _Q4_1:
+        for r in range(r0, r1):
+            out[r] = _dot_row_q4_1(data[r], x, xsum, nb)
+    elif code == _Q8_0:
+        for r in range(r0, r1):
+            out[r] = _dot_row_q8_0(data[r], x, nb)
+    elif code == _Q4_0:
+        for r in range(r0, r1):
+            out[r] = _dot_row_q4_0(data[r], x, nb)
+    else:
+        row = scratch[:x.shape[0]]
+        for r in range(r0, r1):
+            _deq_row(code, data[r], row)
+            acc = np.float32(0.0)
+            for i in range(x.shape[0]):
+                acc += row[i] * x[i]
             out[r] = acc
 
 

@@ -179,7 +179,7 @@ def _quantize_blocks_q8(typingctx, x, qs, d, s):
     return types.none(x, qs, d, s), codegen
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _quantize_x_q8(x, qs, d, s):
     """Quantize x (float32, n a multiple of 32) to int8 blocks of 32: qs (n,) int8, scales
     d (n // 32,) and block sums s = d * sum(qs of the block) (n // 32,), in float32:
@@ -456,6 +456,22 @@ def _matvec_i8(code, data, x, qs, d, s, out):
         _matvec_q4_0_i8(data, qs, d, s, out)
     else:
         _matvec(code, data, x, out)
+
+
+@njit(cache=True)
+def _rows_i8(code, data, r0, r1, qs, d, s, out):
+    """out[r] = dot(row r of ``data``, x) for r in r0..r1-1, on the calling thread, by the
+    int8 kernel of type ``code`` (one of ``_has_i8``) on the quantized x (qs, d, s)."""
+    nb = qs.shape[0] // 32
+    if code == _Q4_1:
+        for r in range(r0, r1):
+            out[r] = _dot_row_q4_1_i8(data[r], qs, d, s, nb)
+    elif code == _Q8_0:
+        for r in range(r0, r1):
+            out[r] = _dot_row_q8_0_i8(data[r], qs, d, nb)
+    else:
+        for r in range(r0, r1):
+            out[r] = _dot_row_q4_0_i8(data[r], qs, d, s, nb)
 
 
 # ---------------------------------------------------------------------------------------

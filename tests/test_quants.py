@@ -131,3 +131,15 @@ def test_row_size_helpers():
     assert set(quants.SUPPORTED_TYPES) == {
         QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
         QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K}
+
+
+def test_exact_kernels_never_inherit_fastmath():
+    """Numba compiles a function that leaves fastmath unset with the flags of the first
+    fast-math caller (the fused decode step, say), and caches that version: the kernels that
+    must be exact set fastmath=False themselves."""
+    from npllama import quants_int8
+    exact = [quants._deq_row, quants._dequantize_rows, quants._f16_at, quants._k_scale_min,
+             quants_int8._quantize_x_q8]
+    exact += [s.row_fn for s in quants._REGISTRY.values()]
+    for fn in exact:
+        assert fn.targetoptions.get("fastmath") is False, fn.py_func.__name__
