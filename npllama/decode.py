@@ -80,8 +80,8 @@ class DecodePlan:
         m, cfg = self.model, self.model.config
         cache.ensure_capacity(pos + 1)
         threads = numba.get_num_threads()
-        # attention work items: chunks of keys, at least a block each
-        n_chunks = max(1, min(_TASKS_PER_THREAD * threads, (pos + 1) // _BLOCK))
+        # attention work items: chunks of keys, at least half a block each
+        n_chunks = max(1, min(_TASKS_PER_THREAD * threads, (pos + 1) // (_BLOCK // 2)))
         chunk = -(-(pos + 1) // n_chunks)
         logits = np.empty(cfg.n_vocab, np.float32)
         _decode_step(token, pos, chunk, self.buffer, self.table, self.attn_norm, self.ffn_norm, self.bq, self.bk,
@@ -127,9 +127,12 @@ def _weight(buffer, entry):
 
 
 @njit(cache=True)
-def _product(ctr, slot, home, nr, code, w, x, xsum, qx, dx, sx, int8, out, scratch):
+def _product(ctr, slot, home, nr, code, w, x, xsum, qx, dx, sx, int8, out, scratch, pair, code2, w2, out2):
     """Take items of ``out = W x`` from the phase at ``slot`` (``nr`` ranges, this thread's
-    is ``home``) until none is left, and publish them. Returns the number of items."""
+    is ``home``) until none is left, and publish them. Returns the number of items.
+
+    With ``pair``, an item also computes the same rows of ``out2 = W2 x`` and then turns them
+    into ``out = silu(out) * out2``: the FFN's gate and up products finished by SwiGLU."""
     rows = w.shape[0]
     per = _item_rows(w)
     n_items = (rows + per - 1) // per
@@ -138,7 +141,12 @@ def _product(ctr, slot, home, nr, code, w, x, xsum, qx, dx, sx, int8, out, scrat
         i = _take(ctr, slot, home, nr, n_items)
         if i < 0:
             break
-        _rows(code, w, i * per, min(rows, (i + 1) * per), x, xsum, qx, dx, sx, int8, out, scratch)
+        r0, r1 = i * per, min(rows, (i + 1) * per)
+        for half in range(2 if pair else 1):
+            c, wh, o = (code, w, out) if half == 0 else (code2, w2, out2)
+            _rows(c, wh, r0, r1, x, xsum, qx, dx, sx, int8, o, scratch)  # one call site: one copy of the kernels
+        if pair:
+            _swiglu_row(out[r0:r1], out2[r0:r1], out[r0:r1])
         done += 1
     _finish(ctr, slot, nr, done)
     return n_items
@@ -155,8 +163,9 @@ def _slot(li, step, nr):
 def _worker(ctr, home, nr, token, pos, chunk, buffer, table, attn_norm, ffn_norm, bq, bk, bv, kvs, cos, sin, neox, eps,
             scale, H, out_norm, int8, logits, res, offs, part_m, part_l, part_acc):
     """One thread's share of a decode step. Every thread keeps its own copy of the residual
-    stream and of the small per-token values (norms, RoPE, SwiGLU, quantized activations),
-    computed identically from the shared results; the products and attention are shared out.
+    stream and of the small per-token values (norms, RoPE, quantized activations), computed
+    identically from the shared results; the products (the FFN's gate and up together, with
+    their SwiGLU) and attention are shared out.
 
     res[li, offs[s]:offs[s + 1]]: the result of product s of layer li. A layer's steps run in
     one loop around a single product call (one inlined copy of the product kernels keeps
@@ -184,6 +193,8 @@ def _worker(ctr, home, nr, token, pos, chunk, buffer, table, attn_norm, ffn_norm
     _deq_row(embd[0], _weight(buffer, embd)[token], x)
     for li in range(n_layer + 1):
         for step in range(_STEPS if li < n_layer else 1):
+            if step == 5:  # the up product runs with the gate product (step 4)
+                continue
             if li == n_layer:  # the output head
                 _rmsnorm_row(x, out_norm, eps, he)
                 _prepare(he, int8, xsum, qe, de, se)
@@ -203,8 +214,7 @@ def _worker(ctr, home, nr, token, pos, chunk, buffer, table, attn_norm, ffn_norm
                     _prepare(he, int8, xsum, qe, de, se)
                 elif step == 6:
                     _wait(ctr, _slot(li, 4, nr), nr, n_items[4])
-                    _wait(ctr, _slot(li, 5, nr), nr, n_items[5])
-                    _swiglu_row(res[li, offs[4]:offs[5]], res[li, offs[5]:offs[6]], hf)
+                    hf[:] = res[li, offs[4]:offs[5]]  # SwiGLU(gate, up), done by the items
                     _prepare(hf, int8, xsum, qf, df, sf)
                 out = res[li, offs[step]:offs[step + 1]]
             if step == 3:
@@ -213,9 +223,10 @@ def _worker(ctr, home, nr, token, pos, chunk, buffer, table, attn_norm, ffn_norm
                 xin, qx, dx, sx = hf, qf, df, sf
             else:
                 xin, qx, dx, sx = he, qe, de, se
-            entry = table[li, step]
-            n_items[step] = _product(ctr, _slot(li, step, nr), home, nr, entry[0], _weight(buffer, entry), xin, xsum, qx, dx, sx,
-                                     int8, out, scratch)
+            entry, up = table[li, step], table[li, 5]
+            n_items[step] = _product(ctr, _slot(li, step, nr), home, nr, entry[0], _weight(buffer, entry), xin, xsum,
+                                     qx, dx, sx, int8, out, scratch, li < n_layer and step == 4, up[0],
+                                     _weight(buffer, up), res[li % n_layer, offs[5]:offs[6]])
         if li < n_layer:
             _wait(ctr, _slot(li, 6, nr), nr, n_items[6])
             x += res[li, offs[6]:offs[7]]

@@ -64,6 +64,25 @@ def test_token_by_token_decode_matches_reference(tmp_path, qtype):
     assert np.abs(got - ref).max() <= 2e-4 * np.abs(ref).max()
 
 
+@pytest.mark.parametrize("variant", ["gqa", "qwen2"])
+def test_long_decode_matches_reference(tmp_path, variant, threads):
+    """Decoding past several attention chunks (of 16+ keys, split among the threads), with
+    grouped KV heads, and with Qwen2's biases and NeoX RoPE: the fused step's other paths."""
+    if variant == "gqa":
+        path = write_tiny_llama(tmp_path / "m.gguf", n_embd=72, n_head=9, n_head_kv=3, n_ff=80)
+    else:
+        rng = np.random.default_rng(2)
+        biases = {f"blk.{i}.attn_{n}.bias": rng.standard_normal(d).astype(np.float32)
+                  for i in range(2) for n, d in (("q", 64), ("k", 32), ("v", 32))}
+        path = write_tiny_llama(tmp_path / "m.gguf", arch="qwen2", tensor_overrides=biases)
+    m = npllama.Model(path, threads=threads)
+    ids = [int(t) for t in np.random.default_rng(3).integers(0, 256, 90)]
+    ref = naive.forward(m.file, ids)
+    s = m.session()
+    got = np.concatenate([s.feed(ids[:5], all_logits=True), np.stack([s.feed([t]) for t in ids[5:]])])
+    assert np.abs(got - ref).max() <= 2e-4 * np.abs(ref).max()
+
+
 @pytest.mark.parametrize("qtype", [QT.F32, QT.Q8_0, QT.Q4_0, QT.Q4_1])
 def test_int8_activations_decode_is_close(tmp_path, qtype):
     """The opt-in int8 mode: decode logits near the exact ones (activations quantized per
