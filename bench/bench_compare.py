@@ -2,7 +2,7 @@
 token ids and the same thread count, in one run. Prints prefill and decode tokens/s and the
 ratios to llama.cpp. Never a pass/fail test.
 
-    python bench/bench_compare.py [--model PATH] [--quant q8_0] [--threads 2]
+    python bench/bench_compare.py [--model PATH] [--quant q8_0] [--threads 2] [--rounds 3]
 
 npllama runs twice: the default exact mode, and the opt-in int8-activation mode (npllama-int8).
 
@@ -93,6 +93,9 @@ def main():
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every engine this many times, in turn, keeping each one's best (this "
+                         "machine's speed drifts over minutes; alternating keeps the ratios fair)")
     ap.add_argument("--engines", default="npllama,npllama-int8,llama.cpp,transformers")
     args = ap.parse_args()
 
@@ -107,22 +110,27 @@ def main():
     engines = args.engines.split(",")
     results, notes = {}, []
     py = ref_python()
-    for engine in engines:
-        if engine in ("npllama", "npllama-int8"):
-            results[engine] = run_npllama(path, ids, args.gen, args.threads, args.repeats,
-                                          "int8" if engine == "npllama-int8" else "f32")
-        elif py is None:
-            notes.append(f"{engine}: skipped (no references' python; run ../shared/tools/setup-refs.sh)")
-        else:
-            res, err = run_ref(py, engine, path, ids, args.gen, args.threads, args.repeats)
+    for _ in range(args.rounds):
+        for engine in engines:
+            if engine in ("npllama", "npllama-int8"):
+                res = run_npllama(path, ids, args.gen, args.threads, args.repeats,
+                                  "int8" if engine == "npllama-int8" else "f32")
+            elif py is None:
+                res, err = None, "no references' python; run ../shared/tools/setup-refs.sh"
+            else:
+                res, err = run_ref(py, engine, path, ids, args.gen, args.threads, args.repeats)
             if res is None:
                 notes.append(f"{engine}: skipped ({err})")
-            else:
+            elif engine not in results:
                 results[engine] = res
+            else:
+                best = results[engine]
+                for key in ("prefill", "decode"):
+                    best[key] = max(best[key], res[key])
 
     anchor = results.get("llama.cpp")
     print(f"model {Path(path).name}, {args.threads} threads, prefill {args.prompt} tokens, "
-          f"decode {args.gen} tokens greedily, best of {args.repeats}")
+          f"decode {args.gen} tokens greedily, best of {args.repeats} x {args.rounds} round(s)")
     print(f"{'engine':<14}{'prefill tok/s':>15}{'decode tok/s':>14}{'prefill ratio':>15}{'decode ratio':>14}")
     for engine, r in results.items():
         pr = f"{r['prefill'] / anchor['prefill']:.2f}x" if anchor else "-"
@@ -132,7 +140,7 @@ def main():
         if engine in results:
             r = results[engine]
             print(f"{engine} load {r['load_s']:.2f} s, first call {r['first_call_s']:.2f} s (compile or cache load)")
-    for n in notes:
+    for n in dict.fromkeys(notes):
         print(n)
 
 
