@@ -21,6 +21,9 @@ Njit level, for fused kernels (C-contiguous arrays and scalars only; they never 
   (built on the single-row dots ``_dot_row_q8_0(row, x, nb)``, ``_dot_row_q4_0(row, x, nb)``
   and ``_dot_row_q4_1(row, x, xsum, nb)``) and ``_matvec_dequant(code, data, x, out)``
   (any type: dequantizes a row into scratch, then dots).
+* ``_rows_f32(code, data, r0, r1, x, xsum, out, scratch)``: rows r0..r1-1 of the same
+  product on the calling thread (for the fused decode step's work items), with
+  ``_block_sums(x, xsum)`` computed once per x.
 
 Dequantization reproduces gguf's float32 arithmetic order exactly (float16 scales are
 widened to float32 first, products are rounded before sums, no fused multiply-add), so

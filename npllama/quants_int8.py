@@ -29,9 +29,10 @@ Njit level (C-contiguous arrays; nothing raises; ``code`` is ``int(qtype)``):
   row-parallel ``out[r] = dot(row r of data, x)``.
 * ``_has_i8(code)``: whether type ``code`` has an int8 kernel.
 * ``_matvec_i8(code, data, x, qs, d, s, out)``: the int8 kernel of type ``code`` on qs/d/s,
-  else ``npllama.quants._matvec(code, data, x, out)`` on the float32 x, so that a fused
-  step can call it for every weight. The caller quantizes each distinct x once (h for q/k/v,
-  the normed h for gate/up) and reuses qs/d/s.
+  else ``npllama.quants._matvec(code, data, x, out)`` on the float32 x.
+* ``_rows_i8(code, data, r0, r1, qs, d, s, out)``: rows r0..r1-1 of the int8 product of a
+  type with an int8 kernel, on the calling thread (the fused decode step's work items). The
+  caller quantizes each distinct x once and reuses qs/d/s.
 
 Python level: ``quantize_x(x)`` and ``matmul_int8(data, qtype, x, out=None)`` (decode: x of
 shape (n,)), for tests and benchmarks.

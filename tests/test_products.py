@@ -141,3 +141,21 @@ def test_njit_dispatcher(qtype):
     out = np.empty(6, np.float32)
     quants._matvec(int(qtype), data, x, out)
     np.testing.assert_array_equal(out, quants.matmul(data, qtype, x))
+
+
+@pytest.mark.parametrize("qtype", quants.SUPPORTED_TYPES, ids=lambda t: t.name)
+def test_row_range_kernel(qtype):
+    """_rows_f32 (the fused decode step's serial product) computes exactly rows r0..r1-1:
+    single rows, the last row, a middle range; the other outputs are left alone."""
+    rng = np.random.default_rng(int(qtype) + 50)
+    data = weight(qtype, 9, rng, blocks=2)
+    n = quants.row_elems(qtype, data.shape[1])
+    x = rng.normal(size=n).astype(np.float32)
+    xsum = np.empty(max(1, n // 32), np.float32)
+    quants._block_sums(x, xsum)
+    scratch = np.empty(n + 7, np.float32)  # longer than a row, as the fused step's
+    for r0, r1 in ((0, 1), (8, 9), (2, 7), (0, 9)):
+        out = np.full(9, np.nan, np.float32)
+        quants._rows_f32(int(qtype), data, r0, r1, x, xsum, out, scratch)
+        assert np.isnan(out[:r0]).all() and np.isnan(out[r1:]).all()
+        assert_close(out[r0:r1], data[r0:r1], qtype, x)

@@ -277,6 +277,11 @@ def test_matvec_kernels(qtype, rows, threads):
         qi._matvec_i8(int(qtype), data, x, qs, d, s, out2)
         assert_int8_close(out2, data, qtype, qs, d, s)
         assert_int8_close(qi.matmul_int8(data, qtype, x), data, qtype, qs, d, s)
+        # the fused decode step's serial row-range product
+        out3 = np.full(rows, np.nan, np.float32)
+        qi._rows_i8(int(qtype), data, rows // 2, rows, qs, d, s, out3)
+        assert np.isnan(out3[:rows // 2]).all()
+        assert_int8_close(out3[rows // 2:], data[rows // 2:], qtype, qs, d, s)
 
 
 def test_one_thread_matches_two():
