@@ -61,14 +61,10 @@ def bench_product(qtype: QT, rows: int, cols: int, min_mb: int, repeats: int) ->
     ws[:] = w
     x = rng.normal(0.0, 1.0, cols).astype(np.float32)
     out = np.empty(rows, np.float32)
-    spec = quants._REGISTRY[qtype]
     code = int(qtype)
 
     def kernel(i):
-        if spec.matvec_fn is None:
-            quants._matvec_dequant(code, ws[i], x, out)
-        else:
-            spec.matvec_fn(ws[i], x, out)
+        quants._matvec(code, ws[i], x, out)
 
     def wrapper(i):
         quants.matmul(ws[i], qtype, x, out=out)

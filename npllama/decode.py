@@ -112,12 +112,12 @@ def _prepare(x, int8, xsum, qx, dx, sx):
 
 
 @njit(cache=True)
-def _rows(code, w, r0, r1, x, xsum, qx, dx, sx, int8, out, scratch):
+def _rows(code, w, r0, r1, x, xsum, qx, dx, sx, int8, out):
     """out[r] = dot(row r of w, x) for r in r0..r1-1, by the int8 kernel where on and present."""
     if int8 and _has_i8(code):
         _rows_i8(code, w, r0, r1, qx, dx, sx, out)
     else:
-        _rows_f32(code, w, r0, r1, x, xsum, out, scratch)
+        _rows_f32(code, w, r0, r1, x, xsum, out)
 
 
 @njit(cache=True)
@@ -127,7 +127,7 @@ def _weight(buffer, entry):
 
 
 @njit(cache=True)
-def _product(ctr, slot, home, nr, code, w, x, xsum, qx, dx, sx, int8, out, scratch, pair, code2, w2, out2):
+def _product(ctr, slot, home, nr, code, w, x, xsum, qx, dx, sx, int8, out, pair, code2, w2, out2):
     """Take items of ``out = W x`` from the phase at ``slot`` (``nr`` ranges, this thread's
     is ``home``) until none is left, and publish them. Returns the number of items.
 
@@ -144,7 +144,7 @@ def _product(ctr, slot, home, nr, code, w, x, xsum, qx, dx, sx, int8, out, scrat
         r0, r1 = i * per, min(rows, (i + 1) * per)
         for half in range(2 if pair else 1):
             c, wh, o = (code, w, out) if half == 0 else (code2, w2, out2)
-            _rows(c, wh, r0, r1, x, xsum, qx, dx, sx, int8, o, scratch)  # one call site: one copy of the kernels
+            _rows(c, wh, r0, r1, x, xsum, qx, dx, sx, int8, o)  # one call site: one copy of the kernels
         if pair:
             _swiglu_row(out[r0:r1], out2[r0:r1], out[r0:r1])
         done += 1
@@ -183,7 +183,6 @@ def _worker(ctr, home, nr, token, pos, chunk, buffer, table, attn_norm, ffn_norm
     qe, de, se = np.empty(n_embd, np.int8), np.empty(n_embd // 32, np.float32), np.empty(n_embd // 32, np.float32)
     qa, da, sa = np.empty(q_dim, np.int8), np.empty(q_dim // 32, np.float32), np.empty(q_dim // 32, np.float32)
     qf, df, sf = np.empty(n_ff, np.int8), np.empty(n_ff // 32, np.float32), np.empty(n_ff // 32, np.float32)
-    scratch = np.empty(width, np.float32)
     q = np.empty((KVH, H // KVH, D), np.float32)
     k = np.empty((KVH, D), np.float32)
     v = np.empty((KVH, D), np.float32)
@@ -225,7 +224,7 @@ def _worker(ctr, home, nr, token, pos, chunk, buffer, table, attn_norm, ffn_norm
                 xin, qx, dx, sx = he, qe, de, se
             entry, up = table[li, step], table[li, 5]
             n_items[step] = _product(ctr, _slot(li, step, nr), home, nr, entry[0], _weight(buffer, entry), xin, xsum,
-                                     qx, dx, sx, int8, out, scratch, li < n_layer and step == 4, up[0],
+                                     qx, dx, sx, int8, out, li < n_layer and step == 4, up[0],
                                      _weight(buffer, up), res[li % n_layer, offs[5]:offs[6]])
         if li < n_layer:
             _wait(ctr, _slot(li, 6, nr), nr, n_items[6])

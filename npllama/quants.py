@@ -16,14 +16,12 @@ Njit level, for fused kernels (C-contiguous arrays and scalars only; they never 
 * ``_deq_row(code, src, dst)`` and ``_deq_row_<type>(src, dst)``: dequantize one row
   (``src`` uint8, ``dst`` float32).
 * ``_dequantize_rows(code, src2d, dst2d)``: row-parallel dequantization.
-* ``_matvec(code, data, x, out)``: ``out[r] = dot(row r of data, x)``, row-parallel, and
-  the kernels it dispatches to: ``_matvec_q8_0``, ``_matvec_q4_0``, ``_matvec_q4_1``
-  (built on the single-row dots ``_dot_row_q8_0(row, x, nb)``, ``_dot_row_q4_0(row, x, nb)``
-  and ``_dot_row_q4_1(row, x, xsum, nb)``) and ``_matvec_dequant(code, data, x, out)``
-  (any type: dequantizes a row into scratch, then dots).
-* ``_rows_f32(code, data, r0, r1, x, xsum, out, scratch)``: rows r0..r1-1 of the same
-  product on the calling thread (for the fused decode step's work items), with
-  ``_block_sums(x, xsum)`` computed once per x.
+* ``_rows_f32(code, data, r0, r1, x, xsum, out)``: ``out[r] = dot(row r of data,
+  x)`` for rows r0..r1-1 on the calling thread (the fused decode step's work items), with
+  ``_block_sums(x, xsum)`` computed once per x; built on the single-row dots
+  ``_dot_row_q8_0(row, x, nb)``, ``_dot_row_q4_0(row, x, nb)`` and
+  ``_dot_row_q4_1(row, x, xsum, nb)``, other types dequantizing each row first.
+* ``_matvec(code, data, x, out)``: the same product for all rows, row-parallel.
 
 Dequantization reproduces gguf's float32 arithmetic order exactly (float16 scales are
 widened to float32 first, products are rounded before sums, no fused multiply-add), so
@@ -590,20 +588,6 @@ def _dot_row_q4_1(typingctx, row, x, xsum, nb):
     return types.float32(row, x, xsum, nb), codegen
 
 
-@njit(parallel=True, cache=True)
-def _matvec_q8_0(data, x, out):
-    nb = x.shape[0] // 32
-    for r in prange(data.shape[0]):
-        out[r] = _dot_row_q8_0(data[r], x, nb)
-
-
-@njit(parallel=True, cache=True)
-def _matvec_q4_0(data, x, out):
-    nb = x.shape[0] // 32
-    for r in prange(data.shape[0]):
-        out[r] = _dot_row_q4_0(data[r], x, nb)
-
-
 @njit(cache=True, fastmath=_FAST)
 def _block_sums(x, xsum):
     """xsum[b] = sum of x[32b : 32b + 32], the term of Q4_1's block minimum in its dots."""
@@ -614,38 +598,11 @@ def _block_sums(x, xsum):
         xsum[b] = s
 
 
-@njit(parallel=True, cache=True)
-def _matvec_q4_1(data, x, out):
-    nb = x.shape[0] // 32
-    xsum = np.empty(nb, np.float32)  # block sums of x, shared by all rows
-    _block_sums(x, xsum)
-    for r in prange(data.shape[0]):
-        out[r] = _dot_row_q4_1(data[r], x, xsum, nb)
-
-
-_MATVEC_CHUNK = 16  # rows per scratch allocation in the generic kernel
-
-
-@njit(parallel=True, cache=True, fastmath=_FAST)
-def _matvec_dequant(code, data, x, out):
-    """Any type: dequantize each row into a scratch row, then dot it with x."""
-    rows = data.shape[0]
-    n = x.shape[0]
-    for c in prange((rows + _MATVEC_CHUNK - 1) // _MATVEC_CHUNK):
-        scratch = np.empty(n, np.float32)
-        for r in range(c * _MATVEC_CHUNK, min(rows, (c + 1) * _MATVEC_CHUNK)):
-            _deq_row(code, data[r], scratch)
-            acc = np.float32(0.0)
-            for i in range(n):
-                acc += scratch[i] * x[i]
-            out[r] = acc
-
-
 @njit(cache=True, fastmath=_FAST)
-def _rows_f32(code, data, r0, r1, x, xsum, out, scratch):
+def _rows_f32(code, data, r0, r1, x, xsum, out):
     """out[r] = dot(row r of ``data``, x) for r in r0..r1-1, on the calling thread. ``xsum``:
-    ``_block_sums(x)`` (read for Q4_1); ``scratch``: float32 (n,) (types without a direct dot
-    dequantize a row into it)."""
+    ``_block_sums(x)`` (read for Q4_1). Types without a direct dot dequantize each row into a
+    buffer first."""
     nb = x.shape[0] // 32
     if code == _Q4_1:
         for r in range(r0, r1):
@@ -657,7 +614,7 @@ def _rows_f32(code, data, r0, r1, x, xsum, out, scratch):
         for r in range(r0, r1):
             out[r] = _dot_row_q4_0(data[r], x, nb)
     else:
-        row = scratch[:x.shape[0]]
+        row = np.empty(x.shape[0], np.float32)
         for r in range(r0, r1):
             _deq_row(code, data[r], row)
             acc = np.float32(0.0)
@@ -666,17 +623,26 @@ def _rows_f32(code, data, r0, r1, x, xsum, out, scratch):
             out[r] = acc
 
 
+_MATVEC_ROWS = 16   # fewest rows per parallel task of a row-parallel product
+_MATVEC_TASKS = 16  # tasks a larger weight is split into (a few per thread, for balance)
+
+
 @njit(cache=True)
+def _task_rows(rows):
+    """Rows per parallel task of a row-parallel product over ``rows`` rows."""
+    return max(_MATVEC_ROWS, rows // _MATVEC_TASKS)
+
+
+@njit(parallel=True, cache=True)
 def _matvec(code, data, x, out):
-    """out[r] = dot(row r of the (rows, row_bytes) uint8 weight ``data``, x), for any type."""
-    if code == _Q4_1:
-        _matvec_q4_1(data, x, out)
-    elif code == _Q8_0:
-        _matvec_q8_0(data, x, out)
-    elif code == _Q4_0:
-        _matvec_q4_0(data, x, out)
-    else:
-        _matvec_dequant(code, data, x, out)
+    """out[r] = dot(row r of the (rows, row_bytes) uint8 weight ``data``, x), for any type:
+    ``_rows_f32`` on tasks of rows in parallel."""
+    rows = data.shape[0]
+    xsum = np.empty(x.shape[0] // 32, np.float32)  # block sums of x, shared by all rows
+    _block_sums(x, xsum)
+    per = _task_rows(rows)
+    for c in prange((rows + per - 1) // per):
+        _rows_f32(code, data, c * per, min(rows, (c + 1) * per), x, xsum, out)
 
 
 # ---------------------------------------------------------------------------------------
@@ -688,27 +654,26 @@ class _Spec(NamedTuple):
     block_size: int
     type_size: int
     row_fn: object       # njit row dequantizer (src_u8_row, dst_f32_row)
-    matvec_fn: object    # njit decode kernel (data, x, out), or None for _matvec_dequant
 
 
 _KERNELS = {
-    QT.F32: (_deq_row_f32, None),
-    QT.F16: (_deq_row_f16, None),
-    QT.BF16: (_deq_row_bf16, None),
-    QT.Q8_0: (_deq_row_q8_0, _matvec_q8_0),
-    QT.Q4_0: (_deq_row_q4_0, _matvec_q4_0),
-    QT.Q4_1: (_deq_row_q4_1, _matvec_q4_1),
-    QT.Q5_0: (_deq_row_q5_0, None),
-    QT.Q5_1: (_deq_row_q5_1, None),
-    QT.Q2_K: (_deq_row_q2_k, None),
-    QT.Q3_K: (_deq_row_q3_k, None),
-    QT.Q4_K: (_deq_row_q4_k, None),
-    QT.Q5_K: (_deq_row_q5_k, None),
-    QT.Q6_K: (_deq_row_q6_k, None),
+    QT.F32: _deq_row_f32,
+    QT.F16: _deq_row_f16,
+    QT.BF16: _deq_row_bf16,
+    QT.Q8_0: _deq_row_q8_0,
+    QT.Q4_0: _deq_row_q4_0,
+    QT.Q4_1: _deq_row_q4_1,
+    QT.Q5_0: _deq_row_q5_0,
+    QT.Q5_1: _deq_row_q5_1,
+    QT.Q2_K: _deq_row_q2_k,
+    QT.Q3_K: _deq_row_q3_k,
+    QT.Q4_K: _deq_row_q4_k,
+    QT.Q5_K: _deq_row_q5_k,
+    QT.Q6_K: _deq_row_q6_k,
 }
 
 _REGISTRY: dict[QT, _Spec] = {
-    qt: _Spec(qt, *GGML_QUANT_SIZES[qt], row_fn, matvec_fn) for qt, (row_fn, matvec_fn) in _KERNELS.items()
+    qt: _Spec(qt, *GGML_QUANT_SIZES[qt], row_fn) for qt, row_fn in _KERNELS.items()
 }
 
 SUPPORTED_TYPES: tuple[QT, ...] = tuple(_REGISTRY)
@@ -822,10 +787,7 @@ def matmul(data, qtype, x, out=None) -> np.ndarray:
         return out
 
     if x.ndim == 1 or x.shape[0] == 1:
-        if s.matvec_fn is None:
-            _matvec_dequant(int(s.qtype), w, x.reshape(n), out.reshape(rows))
-        else:
-            s.matvec_fn(w, x.reshape(n), out.reshape(rows))
+        _matvec(int(s.qtype), w, x.reshape(n), out.reshape(rows))
     else:
         with single_threaded_blas():
             if s.qtype == QT.F32:

@@ -25,14 +25,12 @@ Njit level (C-contiguous arrays; nothing raises; ``code`` is ``int(qtype)``):
 * ``_dot_row_q8_0_i8(row, qs, d, nb)``, ``_dot_row_q4_0_i8(row, qs, d, s, nb)``,
   ``_dot_row_q4_1_i8(row, qs, d, s, nb)``: float32 dot of one uint8 weight row of ``nb``
   blocks with the quantized x (Q4_0 ignores s).
-* ``_matvec_q8_0_i8``, ``_matvec_q4_0_i8``, ``_matvec_q4_1_i8`` ``(data, qs, d, s, out)``:
-  row-parallel ``out[r] = dot(row r of data, x)``.
 * ``_has_i8(code)``: whether type ``code`` has an int8 kernel.
-* ``_matvec_i8(code, data, x, qs, d, s, out)``: the int8 kernel of type ``code`` on qs/d/s,
-  else ``npllama.quants._matvec(code, data, x, out)`` on the float32 x.
-* ``_rows_i8(code, data, r0, r1, qs, d, s, out)``: rows r0..r1-1 of the int8 product of a
-  type with an int8 kernel, on the calling thread (the fused decode step's work items). The
-  caller quantizes each distinct x once and reuses qs/d/s.
+* ``_rows_i8(code, data, r0, r1, qs, d, s, out)``: ``out[r] = dot(row r of data, x)`` for
+  rows r0..r1-1 by the int8 kernel of a type with one, on the calling thread (the fused
+  decode step's work items). The caller quantizes each distinct x once and reuses qs/d/s.
+* ``_matvec_i8(code, data, x, qs, d, s, out)``: the same for all rows, row-parallel, else
+  (a type without an int8 kernel) ``npllama.quants._matvec(code, data, x, out)`` on x.
 
 Python level: ``quantize_x(x)`` and ``matmul_int8(data, qtype, x, out=None)`` (decode: x of
 shape (n,)), for tests and benchmarks.
@@ -60,7 +58,7 @@ from numba.extending import intrinsic
 
 from .quants import (_F32T, _FAST_FLAGS, _HW_F16, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q8_0,
                      _ir_f16_exact, _ir_hsum, _ir_i32, _ir_load, _ir_splat, _ir_vec_zero, _is_c_array, _matvec,
-                     _product_args)
+                     _product_args, _task_rows)
 
 __all__ = ["DOT_ISA", "INT8_TYPES", "VNNI", "matmul_int8", "quantize_x"]
 
@@ -418,45 +416,10 @@ _dot_row_q8_0_i8, _dot_row_q4_0_i8, _dot_row_q4_1_i8 = _make_row_dots(DOT_ISA)
 # Row-parallel kernels and the dispatcher
 # ---------------------------------------------------------------------------------------
 
-@njit(parallel=True, cache=True)
-def _matvec_q8_0_i8(data, qs, d, s, out):
-    nb = qs.shape[0] // 32
-    for r in prange(data.shape[0]):
-        out[r] = _dot_row_q8_0_i8(data[r], qs, d, nb)
-
-
-@njit(parallel=True, cache=True)
-def _matvec_q4_0_i8(data, qs, d, s, out):
-    nb = qs.shape[0] // 32
-    for r in prange(data.shape[0]):
-        out[r] = _dot_row_q4_0_i8(data[r], qs, d, s, nb)
-
-
-@njit(parallel=True, cache=True)
-def _matvec_q4_1_i8(data, qs, d, s, out):
-    nb = qs.shape[0] // 32
-    for r in prange(data.shape[0]):
-        out[r] = _dot_row_q4_1_i8(data[r], qs, d, s, nb)
-
-
 @njit(cache=True)
 def _has_i8(code):
     """Whether weights of type ``code`` have an int8-activation kernel."""
     return code == _Q4_1 or code == _Q8_0 or code == _Q4_0
-
-
-@njit(cache=True)
-def _matvec_i8(code, data, x, qs, d, s, out):
-    """out[r] = dot(row r of ``data``, x): by the int8 kernel of type ``code`` on the quantized
-    x (qs, d, s from ``_quantize_x_q8(x, ...)``), else by the float32 kernel on x."""
-    if code == _Q4_1:
-        _matvec_q4_1_i8(data, qs, d, s, out)
-    elif code == _Q8_0:
-        _matvec_q8_0_i8(data, qs, d, s, out)
-    elif code == _Q4_0:
-        _matvec_q4_0_i8(data, qs, d, s, out)
-    else:
-        _matvec(code, data, x, out)
 
 
 @njit(cache=True)
@@ -473,6 +436,20 @@ def _rows_i8(code, data, r0, r1, qs, d, s, out):
     else:
         for r in range(r0, r1):
             out[r] = _dot_row_q4_0_i8(data[r], qs, d, s, nb)
+
+
+@njit(parallel=True, cache=True)
+def _matvec_i8(code, data, x, qs, d, s, out):
+    """out[r] = dot(row r of ``data``, x): by the int8 kernel of type ``code`` on the quantized
+    x (qs, d, s from ``_quantize_x_q8(x, ...)``), row-parallel, else by the float32 kernel
+    on x."""
+    if not _has_i8(code):
+        _matvec(code, data, x, out)
+        return
+    rows = data.shape[0]
+    per = _task_rows(rows)
+    for c in prange((rows + per - 1) // per):
+        _rows_i8(code, data, c * per, min(rows, (c + 1) * per), qs, d, s, out)
 
 
 # ---------------------------------------------------------------------------------------
