@@ -27,7 +27,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from .attention import _BLOCK, _FASTMATH, _ROWS, _rescale
-from .quants import _I32, _ir_f16_fast
+from .quants import _ir_as_i32, _ir_f16_fast
 
 __all__ = ["paged_attend", "plan_blocks"]
 
@@ -39,12 +39,7 @@ def _half_bits_to_f32(typingctx, bits):
         return None
 
     def codegen(context, builder, sig, args):
-        h = args[0]
-        if h.type.width > 32:
-            h = builder.trunc(h, _I32)
-        elif h.type.width < 32:
-            h = builder.zext(h, _I32)
-        return _ir_f16_fast(builder, h)
+        return _ir_f16_fast(builder, _ir_as_i32(builder, args[0]))
 
     return types.float32(bits), codegen
 

@@ -99,6 +99,15 @@ def _ir_i32(v):
     return ir.Constant(_I32, v)
 
 
+def _ir_as_i32(builder, h):
+    """An integer value truncated or zero-extended to i32 (float16 bits sit in its low 16)."""
+    if h.type.width > 32:
+        return builder.trunc(h, _I32)
+    if h.type.width < 32:
+        return builder.zext(h, _I32)
+    return h
+
+
 def _ir_f16_exact(builder, h):
     """float32 from the float16 bits in the low half of i32 ``h``: exact, NaN payloads kept."""
     sign = builder.shl(builder.and_(h, _ir_i32(0x8000)), _ir_i32(16))
@@ -205,12 +214,7 @@ def _f16_to_f32(typingctx, bits):
         return None
 
     def codegen(context, builder, signature, args):
-        h = args[0]
-        if h.type.width > 32:
-            h = builder.trunc(h, _I32)
-        elif h.type.width < 32:
-            h = builder.zext(h, _I32)
-        return _ir_f16_exact(builder, h)  # reads only the low 16 bits
+        return _ir_f16_exact(builder, _ir_as_i32(builder, args[0]))  # reads only the low 16 bits
 
     return types.float32(bits), codegen
 

@@ -1,11 +1,11 @@
 """npllama.quants.matmul against gguf.quants.dequantize(data) @ x, for every supported type."""
-import numba
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 import gguf.quants
 
 from npllama import quants
+from npllama.threads import using_threads
 from test_quants import FLOAT_TYPES, random_blocks
 
 
@@ -50,12 +50,8 @@ def test_one_thread_matches_two(qtype):
     rng = np.random.default_rng(7)
     data = weight(qtype, 9, rng, blocks=5)
     x = rng.normal(size=quants.row_elems(qtype, data.shape[1])).astype(np.float32)
-    old = numba.get_num_threads()
-    try:
-        numba.set_num_threads(1)
+    with using_threads(1):
         y1 = quants.matmul(data, qtype, x)
-    finally:
-        numba.set_num_threads(old)
     np.testing.assert_array_equal(y1, quants.matmul(data, qtype, x))  # rows are independent
 
 

@@ -4,7 +4,6 @@ import os
 import subprocess
 import sys
 
-import numba
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -14,6 +13,7 @@ from numba import njit
 
 from npllama import quants
 from npllama import quants_int8 as qi
+from npllama.threads import using_threads
 from test_products import small_scale_bits, weight
 from test_quants import random_blocks
 
@@ -285,12 +285,8 @@ def test_one_thread_matches_two():
     for qtype in INT8_TYPES:
         data = full_range_weight(qtype, 37, 9, rng)
         x = rng.normal(size=32 * 9).astype(np.float32)
-        old = numba.get_num_threads()
-        try:
-            numba.set_num_threads(1)
+        with using_threads(1):
             y1 = qi.matmul_int8(data, qtype, x)
-        finally:
-            numba.set_num_threads(old)
         np.testing.assert_array_equal(y1, qi.matmul_int8(data, qtype, x))  # rows are independent
 
 
