@@ -12,13 +12,11 @@ Usage: python bench/bench_int8.py [--threads N] [--min-mb MB] [--repeats R]
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
 import time
 
-import numba
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import quantize
@@ -27,7 +25,7 @@ from numba import njit
 from npllama import quants, quants_int8
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import read_bandwidth  # noqa: E402
+from bench_kernels import parse_args, start  # noqa: E402
 
 SHAPES = [  # (what, type, rows = out features, cols = in features, products sharing one x)
     ("attn q, 576x576", QT.Q4_1, 576, 576, 3),
@@ -93,18 +91,8 @@ def bench_shape(qtype: QT, rows: int, cols: int, share: int, min_mb: int, repeat
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=2, help="Numba threads (default 2)")
-    ap.add_argument("--min-mb", type=int, default=128,
-                    help="total MB of weight copies cycled per shape, well above the last-level cache (default 128)")
-    ap.add_argument("--repeats", type=int, default=7, help="passes over the copies (default 7)")
-    args = ap.parse_args()
-    numba.set_num_threads(args.threads)
-
-    load = os.getloadavg()[0]
-    if load > os.cpu_count() - 0.5:
-        print(f"warning: load average {load:.1f} on {os.cpu_count()} CPUs; other processes will skew the timings")
-    bw = read_bandwidth(512, args.repeats)
+    args = parse_args(__doc__, 7, "passes over the copies")
+    bw = start(args)
     print(f"threads: {args.threads}   vpdpbusd: {quants_int8.VNNI}   "
           f"read bandwidth (parallel sum, 512 MB float32): {bw:.1f} GB/s\n")
     print(f"{'matrix':<24}{'type':<6}{'MB':>6}{'share':>6}{'f32 us':>9}{'GB/s':>7}"

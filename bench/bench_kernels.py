@@ -52,6 +52,25 @@ def read_bandwidth(mb: int, repeats: int) -> float:
     return a.nbytes / best / 1e9
 
 
+def parse_args(doc: str, repeats: int, repeats_help: str) -> argparse.Namespace:
+    """The options every kernel benchmark takes: --threads, --min-mb, --repeats."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2, help="Numba threads (default 2)")
+    ap.add_argument("--min-mb", type=int, default=128,
+                    help="total MB of weight copies cycled per shape, well above the last-level cache (default 128)")
+    ap.add_argument("--repeats", type=int, default=repeats, help=f"{repeats_help} (default {repeats})")
+    return ap.parse_args()
+
+
+def start(args: argparse.Namespace) -> float:
+    """Set the thread count, warn when the machine is busy, and return the read bandwidth (GB/s)."""
+    numba.set_num_threads(args.threads)
+    load = os.getloadavg()[0]
+    if load > os.cpu_count() - 0.5:
+        print(f"warning: load average {load:.1f} on {os.cpu_count()} CPUs; other processes will skew the timings")
+    return read_bandwidth(512, args.repeats)
+
+
 def bench_product(qtype: QT, rows: int, cols: int, min_mb: int, repeats: int) -> tuple[float, float, float]:
     """(weight MB, median kernel µs, median matmul() µs) per product, cycling over DRAM-resident copies."""
     rng = np.random.default_rng(0)
@@ -83,19 +102,8 @@ def bench_product(qtype: QT, rows: int, cols: int, min_mb: int, repeats: int) ->
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=2, help="Numba threads (default 2)")
-    ap.add_argument("--min-mb", type=int, default=128,
-                    help="total MB of weight copies cycled per shape, well above the last-level cache (default 128)")
-    ap.add_argument("--repeats", type=int, default=5,
-                    help="passes over the copies (default 5); products report the median call, bandwidth the best pass")
-    args = ap.parse_args()
-    numba.set_num_threads(args.threads)
-
-    load = os.getloadavg()[0]
-    if load > os.cpu_count() - 0.5:
-        print(f"warning: load average {load:.1f} on {os.cpu_count()} CPUs; other processes will skew the timings")
-    bw = read_bandwidth(512, args.repeats)
+    args = parse_args(__doc__, 5, "passes over the copies; products report the median call, bandwidth the best pass")
+    bw = start(args)
     print(f"threads: {args.threads}   read bandwidth (parallel sum, 512 MB float32): {bw:.1f} GB/s\n")
     print(f"{'matrix':<24}{'type':<6}{'MB':>7}{'kernel us':>11}{'GB/s':>7}{'of bw':>7}{'matmul() us':>13}{'GB/s':>7}")
     for what, qtype, rows, cols in SHAPES:
