@@ -194,17 +194,19 @@ def _worker(ctr, home, nr, token, pos, chunk, buffer, table, attn_norm, ffn_norm
         for step in range(_STEPS if li < n_layer else 1):
             if step == 5:  # the up product runs with the gate product (step 4)
                 continue
+            entry = table[li, step]
             if li == n_layer:  # the output head
                 _rmsnorm_row(x, out_norm, eps, he)
                 _prepare(he, int8, xsum, qe, de, se)
                 out = logits
+                up, out_up = entry, out  # unused: no pair
             else:
                 if step == 0:
                     _rmsnorm_row(x, attn_norm[li], eps, he)
                     _prepare(he, int8, xsum, qe, de, se)
                 elif step == 3:
-                    _attention(ctr, home, nr, li, pos, chunk, res[li], offs, n_items, q, k, v, bq, bk, bv, kvs[li], cos, sin,
-                               neox, scale, part_m[li], part_l[li], part_acc[li], s, ha)
+                    _attention(ctr, home, nr, li, pos, chunk, res[li], offs, n_items, q, k, v, bq, bk, bv, kvs[li],
+                               cos, sin, neox, scale, part_m[li], part_l[li], part_acc[li], s, ha)
                     _prepare(ha, int8, xsum, qa, da, sa)
                 elif step == 4:
                     _wait(ctr, _slot(li, 3, nr), nr, n_items[3])
@@ -216,16 +218,16 @@ def _worker(ctr, home, nr, token, pos, chunk, buffer, table, attn_norm, ffn_norm
                     hf[:] = res[li, offs[4]:offs[5]]  # SwiGLU(gate, up), done by the items
                     _prepare(hf, int8, xsum, qf, df, sf)
                 out = res[li, offs[step]:offs[step + 1]]
+                up, out_up = table[li, 5], res[li, offs[5]:offs[6]]  # the pair of step 4
             if step == 3:
                 xin, qx, dx, sx = ha, qa, da, sa
             elif step == 6:
                 xin, qx, dx, sx = hf, qf, df, sf
             else:
                 xin, qx, dx, sx = he, qe, de, se
-            entry, up = table[li, step], table[li, 5]
             n_items[step] = _product(ctr, _slot(li, step, nr), home, nr, entry[0], _weight(buffer, entry), xin, xsum,
-                                     qx, dx, sx, int8, out, li < n_layer and step == 4, up[0],
-                                     _weight(buffer, up), res[li % n_layer, offs[5]:offs[6]])
+                                     qx, dx, sx, int8, out, li < n_layer and step == 4, up[0], _weight(buffer, up),
+                                     out_up)
         if li < n_layer:
             _wait(ctr, _slot(li, 6, nr), nr, n_items[6])
             x += res[li, offs[6]:offs[7]]
@@ -295,5 +297,5 @@ def _decode_step(token, pos, chunk, buffer, table, attn_norm, ffn_norm, bq, bk, 
     part_acc = np.empty((n_layer, n_chunks, KVH, H // KVH, D), np.float32)
     ctr = np.zeros(_slot(n_layer + 1, 0, n_threads), np.int64)
     for home in prange(n_threads):
-        _worker(ctr, home, n_threads, token, pos, chunk, buffer, table, attn_norm, ffn_norm, bq, bk, bv, kvs, cos, sin, neox, eps,
-                scale, H, out_norm, int8, logits, res, offs, part_m, part_l, part_acc)
+        _worker(ctr, home, n_threads, token, pos, chunk, buffer, table, attn_norm, ffn_norm, bq, bk, bv, kvs, cos,
+                sin, neox, eps, scale, H, out_norm, int8, logits, res, offs, part_m, part_l, part_acc)
