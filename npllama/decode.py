@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
 from numba import njit, prange
 
@@ -73,21 +72,26 @@ class DecodePlan:
         self.bk = stack("bk", kv_dim)
         self.bv = stack("bv", kv_dim)
         self.model = model
+        self.eps = np.float32(cfg.rms_eps)
+        self.scale = np.float32(1.0 / math.sqrt(cfg.head_dim))
 
-    def step(self, token: int, pos: int, cache) -> np.ndarray:
+    def step(self, token: int, pos: int, cache, threads: int) -> np.ndarray:
         """Logits (n_vocab,) of `token` at `pos` (== cache.length); writes row `pos` of every
-        layer's K and V and commits it."""
+        layer's K and V and commits it.
+
+        Runs `threads` workers without touching Numba's thread setting (numba.get/set_num_threads
+        cost tens of microseconds per token from Python, with the CPU caches flushed by the
+        weights): the region gets min(threads, that setting) threads, normally every CPU, and
+        its work sharing gives the same result with fewer threads than workers."""
         m, cfg = self.model, self.model.config
         cache.ensure_capacity(pos + 1)
-        threads = numba.get_num_threads()
         # attention work items: chunks of keys, at least half a block each
         n_chunks = max(1, min(_TASKS_PER_THREAD * threads, (pos + 1) // (_BLOCK // 2)))
         chunk = -(-(pos + 1) // n_chunks)
         logits = np.empty(cfg.n_vocab, np.float32)
         _decode_step(token, pos, chunk, self.buffer, self.table, self.attn_norm, self.ffn_norm, self.bq, self.bk,
-                     self.bv, cache.buffers(), m.rope.cos, m.rope.sin, m.rope.neox, np.float32(cfg.rms_eps),
-                     np.float32(1.0 / math.sqrt(cfg.head_dim)), cfg.n_head, m.output_norm, self.int8, logits,
-                     threads)
+                     self.bv, cache.buffers(), m.rope.cos, m.rope.sin, m.rope.neox, self.eps, self.scale,
+                     cfg.n_head, m.output_norm, self.int8, logits, threads)
         cache.commit(1)
         return logits
 
@@ -273,9 +277,7 @@ def _attention(ctr, home, nr, li, pos, chunk, res, offs, n_items, q, k, v, bq, b
         done += 1
     _finish(ctr, slot, nr, done)
     _wait(ctr, slot, nr, n_chunks)
-    for h in range(KVH * G):
-        g, gh = h // G, h % G
-        _merge_chunks(part_m[:, g, gh], part_l[:, g, gh], part_acc[:, g, gh], out[h * D:(h + 1) * D])
+    _merge_chunks(part_m, part_l, part_acc, out.reshape(KVH, G, D))
 
 
 @njit(parallel=True, cache=True)

@@ -1,4 +1,5 @@
-"""Small elementwise and normalisation kernels of the transformer block: RMSNorm, SwiGLU and RoPE.
+"""Small elementwise and normalisation kernels of the transformer block: RMSNorm, SwiGLU and RoPE,
+and the float32 exponential they and attention use.
 
 Each kernel is a private `@njit` function over contiguous float32 arrays; the public wrappers
 check shapes and dtypes and raise `ValueError` naming the offending value.
@@ -6,11 +7,55 @@ check shapes and dtypes and raise `ValueError` naming the offending value.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from .errors import ContextOverflowError
 
 _FM = {"contract", "arcp", "nsz", "reassoc"}  # never nnan/ninf: infinities must survive
+
+
+@intrinsic
+def _pow2(typingctx, n):
+    """2.0**n as float32 for an integer n in -126..127: n + 127 put in the exponent bits."""
+    if not isinstance(n, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        e = builder.add(context.cast(builder, args[0], sig.args[0], types.int32), ir.Constant(i32, 127))
+        return builder.bitcast(builder.shl(e, ir.Constant(i32, 23)), ir.FloatType())
+
+    return types.float32(n), codegen
+
+
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)              # ln 2 = _LN2_HI + _LN2_LO, _LN2_HI exact in 9 bits:
+_LN2_LO = np.float32(-2.1219444005469057e-4)   # n * _LN2_HI is exact for |n| <= 128
+
+
+@njit(cache=True, fastmath=False, error_model="numpy")
+def _exp(x):
+    """exp(x) in float32 that LLVM can vectorize (np.exp is a scalar libm call in Numba
+    without SVML): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor series to r^7
+    (truncation below 1e-8 relative), times 2^n as two factors (each in _pow2's range).
+    Strict IEEE arithmetic even inside fast-math callers, which LLVM inlines it into: they
+    must not merge the factors of 2^n or the two parts of n ln2.
+    Within 2 ulp of np.exp; 0 below -87.3 (where exp(x) is subnormal) and for -inf, inf
+    from 88.73 on, NaN for NaN."""
+    xc = min(max(x, np.float32(-87.3)), np.float32(88.8))
+    n = np.floor(xc * _LOG2E + np.float32(0.5))
+    r = (xc - n * _LN2_HI) - n * _LN2_LO
+    p = np.float32(1.0 / 5040.0)
+    p = p * r + np.float32(1.0 / 720.0)
+    p = p * r + np.float32(1.0 / 120.0)
+    p = p * r + np.float32(1.0 / 24.0)
+    p = p * r + np.float32(1.0 / 6.0)
+    p = p * r + np.float32(0.5)
+    n_lo = np.int32(n) >> 1
+    y = ((p * r) * r + r + np.float32(1.0)) * _pow2(n_lo) * _pow2(np.int32(n) - n_lo)
+    return np.float32(0.0) if x < np.float32(-87.3) else y
 
 
 @njit(cache=True, fastmath=_FM)
@@ -42,12 +87,12 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = N
     return res.reshape(np.shape(x))
 
 
-@njit(cache=True, fastmath=_FM)
+@njit(cache=True, fastmath=_FM, error_model="numpy")
 def _swiglu_row(gate, up, out):
-    # gate, up, out: (n,); out = silu(gate) * up
+    # gate, up, out: (n,); out = silu(gate) * up (no division check: the loop vectorizes)
     for i in range(gate.shape[0]):
         g = gate[i]
-        out[i] = g / (np.float32(1.0) + np.exp(-g)) * up[i]
+        out[i] = g / (np.float32(1.0) + _exp(-g)) * up[i]
 
 
 @njit(parallel=True, cache=True, fastmath=_FM)
@@ -94,8 +139,13 @@ class RopeTable:
 
     def check(self, positions: np.ndarray) -> None:
         """Raise ContextOverflowError if any position lies outside [0, n_ctx)."""
-        if len(positions) and (positions.min() < 0 or positions.max() >= self.n_ctx):
-            bad = int(positions.max()) if positions.max() >= self.n_ctx else int(positions.min())
+        if len(positions):
+            self.check_range(int(positions.min()), int(positions.max()) + 1)
+
+    def check_range(self, start: int, end: int) -> None:
+        """Raise ContextOverflowError unless positions start..end-1 lie in [0, n_ctx)."""
+        if start < end and (start < 0 or end > self.n_ctx):
+            bad = end - 1 if end > self.n_ctx else start
             raise ContextOverflowError(
                 f"position {bad} is outside the model's context of {self.n_ctx} tokens "
                 f"(valid positions are 0..{self.n_ctx - 1}); shorten the input, or truncate "

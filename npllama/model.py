@@ -167,6 +167,8 @@ class Model:
 
     def check_ids(self, ids) -> np.ndarray:
         """`ids` as a non-empty int64 array of valid token ids, or a ValueError saying what is wrong."""
+        if type(ids) is list and len(ids) == 1 and type(ids[0]) is int and 0 <= ids[0] < self.config.n_vocab:
+            return np.array(ids, np.int64)  # one decoded token: the common case, kept to one numpy call
         arr = np.asarray(ids)
         if arr.ndim == 0:
             arr = arr.reshape(1)
@@ -197,17 +199,37 @@ class Model:
                 f"position {pos} does not match the KV cache length {cache.length}: the next token "
                 f"must go at position {cache.length}. Pass pos=cache.length, or truncate/reset the "
                 f"cache first (a Session keeps the two together for you)")
+        self.check_cache(cache)
+        return self._run(ids, cache, all_logits, output, check_threads(threads) or self.threads)
+
+    def check_cache(self, cache: KVCache) -> None:
+        """Raise ValueError unless `cache` is shaped for this model."""
         cfg = self.config
         if (cache.n_layers, cache.n_kv_heads, cache.head_dim) != (cfg.n_layer, cfg.n_head_kv, cfg.head_dim):
             raise ValueError(
                 f"the KV cache is shaped for (layers, kv heads, head dim) = "
                 f"{(cache.n_layers, cache.n_kv_heads, cache.head_dim)}, this model needs "
                 f"{(cfg.n_layer, cfg.n_head_kv, cfg.head_dim)}; make one with model.new_cache()")
-        positions = np.arange(pos, pos + len(ids), dtype=np.int64)
-        self.rope.check(positions)
-        threads = check_threads(threads) or self.threads
+
+    def _run(self, ids: np.ndarray, cache: KVCache, all_logits: bool, output: str, threads: int) -> np.ndarray:
+        """`forward` for checked arguments (int64 ids, a cache shaped for this model) at
+        position cache.length. Kept short for one token: every line runs once per decoded
+        token, after the weights have flushed the CPU caches."""
+        pos = cache.length
+        self.rope.check_range(pos, pos + len(ids))
+        if len(ids) == 1 and output == "logits":  # the fused decode step runs its own threads
+            if self._plan is None:
+                from .decode import DecodePlan
+                self._plan = DecodePlan(self, int8=self.activations == "int8")
+            try:
+                logits = self._plan.step(int(ids[0]), pos, cache, threads)
+            except BaseException:
+                cache.truncate(pos)
+                raise
+            return logits.reshape(1, -1) if all_logits else logits
         with using_threads(threads):
             try:
+                positions = np.arange(pos, pos + len(ids), dtype=np.int64)
                 # long prompts run in chunks, which bounds the activations' memory
                 outs = [self._forward(ids[i:i + PREFILL_CHUNK], positions[i:i + PREFILL_CHUNK], cache,
                                       all_logits, output)
@@ -220,12 +242,6 @@ class Model:
                 raise
 
     def _forward(self, ids, positions, cache, all_logits, output):
-        if len(ids) == 1 and output == "logits":
-            if self._plan is None:
-                from .decode import DecodePlan
-                self._plan = DecodePlan(self, int8=self.activations == "int8")
-            logits = self._plan.step(int(ids[0]), int(positions[0]), cache)
-            return logits.reshape(1, -1) if all_logits else logits
         cfg = self.config
         S, H, KVH, D = len(ids), cfg.n_head, cfg.n_head_kv, cfg.head_dim
         x = self.token_embd.rows_of(ids)  # (S, n_embd) residual stream

@@ -24,6 +24,8 @@ class Session:
         self.model = model
         self.ctx = ctx or n_ctx
         self.threads = check_threads(threads)
+        if cache is not None:
+            model.check_cache(cache)
         self.cache = cache if cache is not None else model.new_cache()
         self._tokens: list[int] = list(tokens or [])  # the ids whose keys and values the cache holds
 
@@ -46,9 +48,9 @@ class Session:
                 f"feeding {len(ids)} tokens at position {self.pos} needs {self.pos + len(ids)} "
                 f"positions, past this session's context of {self.ctx}; truncate() or reset() the "
                 f"session, or shorten the input")
-        logits = self.model.forward(ids, self.pos, self.cache, all_logits=all_logits,
-                                    threads=threads or self.threads)
-        self._tokens.extend(int(i) for i in ids)
+        logits = self.model._run(ids, self.cache, all_logits, "logits",
+                                 check_threads(threads) or self.threads or self.model.threads)
+        self._tokens.extend(ids.tolist())
         return logits
 
     def reset(self) -> None:

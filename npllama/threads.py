@@ -35,6 +35,9 @@ def check_threads(n: int | None) -> int | None:
 def using_threads(n: int):
     """Run the body with `n` Numba threads, restoring the previous count afterwards."""
     prev = numba.get_num_threads()
+    if n == prev:  # the common case, once per decoded token: no setting to change
+        yield
+        return
     numba.set_num_threads(n)
     try:
         yield

@@ -1,9 +1,10 @@
-"""RMSNorm, SwiGLU and RoPE against NumPy references."""
+"""RMSNorm, SwiGLU, RoPE and the float32 exponential against NumPy references."""
 import numpy as np
 import pytest
+from numba import njit
 
 from npllama import ContextOverflowError
-from npllama.kernels import RopeTable, rmsnorm, swiglu
+from npllama.kernels import _FM, RopeTable, _exp, rmsnorm, swiglu
 
 rng = np.random.default_rng(0)
 
@@ -26,6 +27,33 @@ def test_rmsnorm_non_contiguous_and_bad_weight():
     np.testing.assert_allclose(rmsnorm(x, w, 1e-6), ref_rmsnorm(x, w, 1e-6), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="weight has shape"):
         rmsnorm(x, np.ones(3, np.float32), 1e-6)
+
+
+@njit(fastmath=_FM, error_model="numpy")
+def _exp_loop(x, out):
+    # a fast-math caller whose loop LLVM vectorizes, as the kernels call _exp
+    for i in range(x.shape[0]):
+        out[i] = _exp(x[i])
+
+
+def test_exp_within_two_ulp_over_the_float32_range():
+    x = np.concatenate([np.linspace(-87.3, 88.72, 400_001, dtype=np.float32),
+                        rng.uniform(-20, 20, 10_001).astype(np.float32), np.float32([0, -0.0, 1e-30, -1e-30])])
+    out = np.empty_like(x)
+    _exp_loop(x, out)
+    ref = np.exp(x.astype(np.float64))
+    ulps = np.abs(out - ref) / np.spacing(ref.astype(np.float32)).astype(np.float64)
+    assert ulps.max() <= 2, (ulps.max(), x[ulps.argmax()])
+    strided = np.empty(len(x[::3]), np.float32)
+    _exp_loop(x[::3], strided)  # non-contiguous input: the same values
+    np.testing.assert_array_equal(strided, out[::3])
+
+
+def test_exp_limits():
+    x = np.float32([-np.inf, -1e30, -100, -87.5, 88.8, 100, 3e38, np.inf, np.nan])
+    out = np.empty_like(x)
+    _exp_loop(x, out)
+    np.testing.assert_array_equal(out, np.float32([0, 0, 0, 0, np.inf, np.inf, np.inf, np.inf, np.nan]))
 
 
 @pytest.mark.parametrize("shape", [(1,), (9,), (3, 1536)])
