@@ -35,7 +35,7 @@ def check_threads(n: int | None) -> int | None:
 def using_threads(n: int):
     """Run the body with `n` Numba threads, restoring the previous count afterwards."""
     prev = numba.get_num_threads()
-    if n == prev:  # the common case, once per decoded token: no setting to change
+    if n == prev:  # the common case: nothing to set or restore
         yield
         return
     numba.set_num_threads(n)
