@@ -4,6 +4,7 @@ import pytest
 
 import npllama
 from npllama import ContextOverflowError, PositionError
+from npllama.session import Session
 from tinygguf import write_tiny_llama
 
 
@@ -60,6 +61,15 @@ def test_counter_advanced_per_call_is_caught_at_second_call(model):
     calls += 1
     with pytest.raises(PositionError, match=r"position 1 does not match the KV cache length 3"):
         model.forward([4], calls, cache)
+
+
+def test_cache_of_another_shape_is_refused(model):
+    cfg = model.config
+    bad = npllama.KVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim + 2)
+    with pytest.raises(ValueError, match="KV cache is shaped for"):
+        Session(model, cache=bad)  # at construction, before any feed
+    with pytest.raises(ValueError, match="KV cache is shaped for"):
+        model.forward([1], 0, bad)
 
 
 def test_fork_truncate_keep_cache_and_position_together(model):
