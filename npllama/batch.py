@@ -49,7 +49,7 @@ from numba import njit, prange
 from .attention import MASKED
 from .errors import ContextOverflowError
 from .generate import Completion, Token, _logprobs, _StopScanner, check_max_tokens, fit_prompt
-from .kernels import _rmsnorm_row, _rope_row, rmsnorm, swiglu
+from .kernels import _rmsnorm_row, _rope_row
 from .kvpool import KVPool, PoolExhaustedError, PoolSeq
 from .paged_attention import _half_bits_to_f32, _paged_kernel, plan_blocks
 from .progress import Progress
@@ -372,23 +372,14 @@ def _layers_blas(model, pool, x, positions, slots, tables, blocks, scale, kv_buf
     """Every layer through the tiled-dequant + BLAS products (`QWeight @ x`): for weights
     whose rows are not whole blocks of 32, which the row kernels do not take."""
     cfg = model.config
-    T, H, KVH, D = x.shape[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim
-    a = np.empty((T, H, D), np.float32)
-    for li, L in enumerate(model.layers):
-        h = rmsnorm(x, L.attn_norm, cfg.rms_eps)
-        q, k, v = L.wq @ h, L.wk @ h, L.wv @ h
-        if L.bq is not None:
-            q += L.bq
-            k += L.bk
-            v += L.bv
-        q = model.rope.apply(q.reshape(T, H, D), positions)
-        k = model.rope.apply(k.reshape(T, KVH, D), positions)
-        pool.write(li, slots, k, v.reshape(T, KVH, D))
+    a = np.empty((x.shape[0], cfg.n_head, cfg.head_dim), np.float32)
+
+    def paged_attention(li, q, k, v):
+        pool.write(li, slots, k, v)
         _paged_kernel(q, kv_bufs[li], tables, *blocks, scale, a)
-        x += L.wo @ a.reshape(T, H * D)
-        h = rmsnorm(x, L.ffn_norm, cfg.rms_eps)
-        x += L.w_down @ swiglu(L.w_gate @ h, L.w_up @ h)
-    return x
+        return a
+
+    return model._layers(x, positions, lambda w, h: w @ h, paged_attention)
 
 
 def _head(model, x, rows_kernels):

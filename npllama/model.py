@@ -241,24 +241,38 @@ class Model:
                 cache.truncate(pos)
                 raise
 
-    def _forward(self, ids, positions, cache, all_logits, output):
+    def _layers(self, x, positions, product, attention):
+        """The residual stream x (S, n_embd) of tokens at `positions` through every layer.
+
+        product(W, h): h @ W.T for a QWeight W; attention(li, q, k, v): stores layer li's new
+        keys and values k, v (S, KVH, D) and returns the attention output (S, H, D) of the
+        queries q (S, H, D) over everything stored: `forward` and batch.py's BLAS path differ
+        only there."""
         cfg = self.config
-        S, H, KVH, D = len(ids), cfg.n_head, cfg.n_head_kv, cfg.head_dim
-        x = self.token_embd.rows_of(ids)  # (S, n_embd) residual stream
+        S, H, KVH, D = x.shape[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim
         for li, L in enumerate(self.layers):
             h = rmsnorm(x, L.attn_norm, cfg.rms_eps)
-            q, k, v = mm(L.wq, h), mm(L.wk, h), mm(L.wv, h)  # (S, H*D), (S, KVH*D), (S, KVH*D)
+            q, k, v = product(L.wq, h), product(L.wk, h), product(L.wv, h)  # (S, H*D), (S, KVH*D) x 2
             if L.bq is not None:
                 q += L.bq
                 k += L.bk
                 v += L.bv
             q = self.rope.apply(q.reshape(S, H, D), positions)
             k = self.rope.apply(k.reshape(S, KVH, D), positions)
-            cache.append(li, k, v.reshape(S, KVH, D))
-            a = attend(q, cache.buffer(li), cache.layer_length(li))  # (S, H, D)
-            x += mm(L.wo, a.reshape(S, H * D))
+            a = attention(li, q, k, v.reshape(S, KVH, D))
+            x += product(L.wo, a.reshape(S, H * D))
             h = rmsnorm(x, L.ffn_norm, cfg.rms_eps)
-            x += mm(L.w_down, swiglu(mm(L.w_gate, h), mm(L.w_up, h)))
+            x += product(L.w_down, swiglu(product(L.w_gate, h), product(L.w_up, h)))
+        return x
+
+    def _forward(self, ids, positions, cache, all_logits, output):
+        cfg = self.config
+
+        def cached_attention(li, q, k, v):
+            cache.append(li, k, v)
+            return attend(q, cache.buffer(li), cache.layer_length(li))
+
+        x = self._layers(self.token_embd.rows_of(ids), positions, mm, cached_attention)
         if output == "hidden":
             return rmsnorm(x, self.output_norm, cfg.rms_eps)
         if not all_logits:
