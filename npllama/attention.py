@@ -7,7 +7,8 @@ The kernels read keys and values straight from a KV-cache layer buffer,
 without copying it and without repeating KV heads: query head h reads KV head
 h // (n_heads // n_kv_heads) (grouped-query attention). Keys are processed in blocks with a
 running maximum, running sum and running output per query head (flash attention), so the
-(queries x keys) score matrix never exists; everything accumulates in float32.
+(queries x keys) score matrix never exists; everything accumulates in float32. The buffer
+may store float16 (read through npllama.f16, converted to float32 as it is read).
 
 Two kernels share the block routine:
   * decode (one query): the key range is split into chunks, (KV head, chunk) pairs run in
@@ -33,6 +34,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from .f16 import _ld, bits
 from .kernels import _exp
 
 # No 'nnan' / 'ninf': the kernels rely on -inf for removed keys and empty running maxima.
@@ -81,9 +83,10 @@ def _accumulate(q, kv, i0, pos0, g, t0, t1, window, scale, softcap, mask, use_ma
                 m, l, acc, s):
     """Fold keys t0..t1-1 of KV head g into the running state of query rows i0..i0+R-1.
 
-    q: (S, H, D); kv: (cap, KVH, 2, D); row i0 + r sits at position pos0 + r and handles
-    query heads g*G .. g*G+G-1. m, l: (R, G) running max / sum; acc: (R, G, D) running
-    unnormalised output; s: (R, G, _BLOCK) scratch. Keys a row may not see are skipped, so
+    q: (S, H, D); kv: (cap, KVH, 2, D) float32, or uint16 (float16 bits: npllama.f16); row
+    i0 + r sits at position pos0 + r and handles query heads g*G .. g*G+G-1. m, l: (R, G)
+    running max / sum; acc: (R, G, D) running unnormalised output; s: (R, G, _BLOCK)
+    scratch. Keys a row may not see are skipped, so
     t0..t1 may span the union of the rows' ranges.
     """
     R, G = m.shape
@@ -95,6 +98,7 @@ def _accumulate(q, kv, i0, pos0, g, t0, t1, window, scale, softcap, mask, use_ma
         # scores: each K row is read once for all R x G query vectors
         for j in range(n):
             t = b0 + j
+            krow = kv[t, g, 0]
             for r in range(R):
                 i = i0 + r
                 qpos = pos0 + r
@@ -107,7 +111,7 @@ def _accumulate(q, kv, i0, pos0, g, t0, t1, window, scale, softcap, mask, use_ma
                     h = h0 + gh
                     dot = np.float32(0.0)
                     for d in range(D):
-                        dot += q[i, h, d] * kv[t, g, 0, d]
+                        dot += q[i, h, d] * _ld(krow, d)
                     x = dot * scale
                     if softcap > 0:
                         x = softcap * np.tanh(x / softcap)
@@ -119,14 +123,14 @@ def _accumulate(q, kv, i0, pos0, g, t0, t1, window, scale, softcap, mask, use_ma
         _rescale(s, n, m, l, acc)  # running state rescaled, scores turned into weights
         # weighted values: each V row is read once for all R x G query vectors
         for j in range(n):
-            t = b0 + j
+            vrow = kv[b0 + j, g, 1]
             for r in range(R):
                 for gh in range(G):
                     p = s[r, gh, j]
                     if p == 0:
                         continue
                     for d in range(D):
-                        acc[r, gh, d] += p * kv[t, g, 1, d]
+                        acc[r, gh, d] += p * _ld(vrow, d)
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
@@ -199,10 +203,11 @@ def _decode_chunk(qs, kv, t0, t1, m, l, acc, s):
         n = min(_BLOCK, t1 - b0)
         for j in range(n):
             for g in range(KVH):
+                krow = kv[b0 + j, g, 0]
                 for gh in range(G):
                     dot = np.float32(0.0)
                     for d in range(D):
-                        dot += qs[g, gh, d] * kv[b0 + j, g, 0, d]
+                        dot += qs[g, gh, d] * _ld(krow, d)
                     s[g, gh, j] = dot
         _rescale(s, n, m, l, acc)
         # weighted values four keys at a time: a quarter of the loads and stores of acc
@@ -210,17 +215,18 @@ def _decode_chunk(qs, kv, t0, t1, m, l, acc, s):
         for j in range(0, n4, 4):
             t = b0 + j
             for g in range(KVH):
+                v0, v1, v2, v3 = kv[t, g, 1], kv[t + 1, g, 1], kv[t + 2, g, 1], kv[t + 3, g, 1]
                 for gh in range(G):
                     p0, p1, p2, p3 = s[g, gh, j], s[g, gh, j + 1], s[g, gh, j + 2], s[g, gh, j + 3]
                     for d in range(D):
-                        acc[g, gh, d] += (p0 * kv[t, g, 1, d] + p1 * kv[t + 1, g, 1, d]
-                                          + p2 * kv[t + 2, g, 1, d] + p3 * kv[t + 3, g, 1, d])
+                        acc[g, gh, d] += (p0 * _ld(v0, d) + p1 * _ld(v1, d) + p2 * _ld(v2, d) + p3 * _ld(v3, d))
         for j in range(n4, n):
             for g in range(KVH):
+                vrow = kv[b0 + j, g, 1]
                 for gh in range(G):
                     p = s[g, gh, j]
                     for d in range(D):
-                        acc[g, gh, d] += p * kv[b0 + j, g, 1, d]
+                        acc[g, gh, d] += p * _ld(vrow, d)
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
@@ -275,8 +281,8 @@ def attend(q: np.ndarray, kv: np.ndarray, kv_len: int, *, offset: int | None = N
 
     Args:
         q: (S, H, D) queries, any float dtype and strides (copied to contiguous float32).
-        kv: (capacity, KVH, 2, D) C-contiguous float32 layer buffer, K at [:, :, 0], V at
-            [:, :, 1] (e.g. `KVCache.buffer(layer)`); read in place, never copied.
+        kv: (capacity, KVH, 2, D) C-contiguous float32 or float16 layer buffer, K at [:, :, 0],
+            V at [:, :, 1] (e.g. `KVCache.buffer(layer)`); read in place, never copied.
         kv_len: number of valid positions in kv, 0 <= kv_len <= capacity.
         offset: absolute position of the first query; defaults to kv_len - S (the queries are
             the last S cached positions). Query i sees keys t <= offset + i, t < kv_len.
@@ -295,8 +301,8 @@ def attend(q: np.ndarray, kv: np.ndarray, kv_len: int, *, offset: int | None = N
     if not isinstance(kv, np.ndarray) or kv.ndim != 4 or kv.shape[2] != 2:
         raise ValueError(f"attend: kv must be a (capacity, KVH, 2, D) array, got "
                          f"{getattr(kv, 'shape', type(kv).__name__)}")
-    if kv.dtype != np.float32 or not kv.flags.c_contiguous:
-        raise ValueError(f"attend: kv must be C-contiguous float32, got dtype {kv.dtype}, "
+    if kv.dtype not in (np.float32, np.float16) or not kv.flags.c_contiguous:
+        raise ValueError(f"attend: kv must be C-contiguous float32 or float16, got dtype {kv.dtype}, "
                          f"contiguous={kv.flags.c_contiguous}")
     cap, KVH, _, kv_d = kv.shape
     if kv_d != D:
@@ -341,9 +347,9 @@ def attend(q: np.ndarray, kv: np.ndarray, kv_len: int, *, offset: int | None = N
         wanted = -(-_TASKS_PER_THREAD * numba.get_num_threads() // KVH)
         n_chunks = max(1, min(wanted, (t1 - t0) // _MIN_CHUNK))
         chunk = max(1, -(-(t1 - t0) // n_chunks))
-        _decode_kernel(q, kv, t0, t1, offset, window, chunk, *args)
+        _decode_kernel(q, bits(kv), t0, t1, offset, window, chunk, *args)
     elif S > 0:
-        _prefill_kernel(q, kv, kv_len, offset, window, *args)
+        _prefill_kernel(q, bits(kv), kv_len, offset, window, *args)
     return out
 
 

@@ -51,7 +51,8 @@ from .errors import ContextOverflowError
 from .generate import Completion, Token, _logprobs, _StopScanner, check_max_tokens, fit_prompt
 from .kernels import _rmsnorm_row, _rope_row
 from .kvpool import KVPool, PoolExhaustedError, PoolSeq
-from .paged_attention import _half_bits_to_f32, _paged_kernel, plan_blocks
+from .f16 import _half_bits_to_f32, bits
+from .paged_attention import _paged_kernel, plan_blocks
 from .progress import Progress
 from .quants import _FAST, _Q4_0, _Q4_1, _Q8_0, _deq_row, _dot_row_q4_0, _dot_row_q4_1, _dot_row_q8_0
 from .sampling import SamplingParams, make_sampler
@@ -307,7 +308,7 @@ def forward_batch(model, pool: KVPool, seqs: Sequence[PoolSeq], token_lists, *, 
     seq_of_token = np.repeat(np.arange(B, dtype=np.int64), counts)
     tables = pool.tables(seqs)
     scale = np.float32(1.0 / math.sqrt(D))
-    kv_bufs = [b.view(np.uint16) if pool.dtype == np.float16 else b for b in pool.buffers()]
+    kv_bufs = [bits(b) for b in pool.buffers()]
     threads = check_threads(threads) or model.threads
     rows_kernels = USE_ROW_KERNELS and all(n % 32 == 0 for n in (cfg.n_embd, cfg.n_ff, cfg.n_head * D))
     layers, chunk = (_layers_rows, CHUNK_TOKENS) if rows_kernels else (_layers_blas, _BLAS_CHUNK)
@@ -468,7 +469,7 @@ def _common_prefix(a, b) -> int:
 
 def complete_many(model, prompts: Sequence, *, max_tokens: int = 256, stop: str | Sequence[str] = (),
                   logprobs: int = 0, max_batch: int = 16, ctx: int | None = None, truncate: bool = False,
-                  pool: KVPool | None = None, page_size: int = 16, kv_dtype=np.float32,
+                  pool: KVPool | None = None, page_size: int = 16, kv_dtype=None,
                   prefix_cache: bool = True, step_tokens: int = 512, threads: int | None = None,
                   stats: dict | None = None, progress: bool | None = None,
                   sampling: SamplingParams | None = None, **sampling_options) -> list[Completion]:
@@ -625,7 +626,7 @@ class BeamSearch:
     """
 
     def __init__(self, model, prompt, *, beams: int = 4, max_tokens: int = 32, pool: KVPool | None = None,
-                 page_size: int = 16, kv_dtype=np.float32, threads: int | None = None):
+                 page_size: int = 16, kv_dtype=None, threads: int | None = None):
         from .textapi import _prompt_ids
         if not isinstance(beams, int) or beams < 1:
             raise ValueError(f"beams must be an integer >= 1, got {beams!r}")

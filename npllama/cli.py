@@ -17,6 +17,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--threads", type=int, help="threads (default: physical cores)")
     p.add_argument("--activations", choices=["f32", "int8"], default="f32",
                    help="decode activations: f32 (exact, default) or int8 (faster, as llama.cpp)")
+    p.add_argument("--kv-dtype", choices=["float32", "float16"],
+                   help="KV cache storage (default: float16 with --activations int8, else float32)")
 
 
 def _add_generation_flags(p: argparse.ArgumentParser) -> None:
@@ -34,7 +36,7 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
 
 def _load(args):
     from .model import load
-    return load(args.model, threads=args.threads, activations=args.activations)
+    return load(args.model, threads=args.threads, activations=args.activations, kv_dtype=args.kv_dtype)
 
 
 def cmd_info(args) -> int:

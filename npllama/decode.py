@@ -23,6 +23,7 @@ import numpy as np
 from numba import njit, prange
 
 from .attention import _BLOCK, _TASKS_PER_THREAD, _decode_chunk, _merge_chunks
+from .f16 import _st, bits
 from .kernels import _rmsnorm_row, _rope_row, _swiglu_row
 from .quants import _block_sums, _deq_row, _rows_f32
 from .quants_int8 import _has_i8, _quantize_x_q8, _rows_i8
@@ -90,7 +91,7 @@ class DecodePlan:
         chunk = -(-(pos + 1) // n_chunks)
         logits = np.empty(cfg.n_vocab, np.float32)
         _decode_step(token, pos, chunk, self.buffer, self.table, self.attn_norm, self.ffn_norm, self.bq, self.bk,
-                     self.bv, cache.buffers(), m.rope.cos, m.rope.sin, m.rope.neox, self.eps, self.scale,
+                     self.bv, bits(cache.buffers()), m.rope.cos, m.rope.sin, m.rope.neox, self.eps, self.scale,
                      cfg.n_head, m.output_norm, self.int8, logits, threads)
         cache.commit(1)
         return logits
@@ -262,8 +263,10 @@ def _attention(ctr, home, nr, li, pos, chunk, res, offs, n_items, q, k, v, bq, b
     _rope_row(k, pos, cos, sin, neox)
     q *= scale
     # every thread writes the same new row, before any of its own reads of it
-    kv[pos, :, 0, :] = k
-    kv[pos, :, 1, :] = v
+    for g in range(KVH):
+        for d in range(D):
+            _st(kv[pos, g, 0], d, k[g, d])
+            _st(kv[pos, g, 1], d, v[g, d])
     slot = _slot(li, _ATT, nr)
     done = 0
     while True:

@@ -13,6 +13,8 @@ so on, so while a pass is under way the early layers hold more positions than th
 `layer_length(layer)` the count of one layer. Layers may run ahead of one another by any
 amount, as long as they all catch up before `length` is relied on.
 
+Storage is float32 or float16; kernels read a float16 cache through `npllama.f16.bits`.
+
 All layers share one capacity. When an append needs more room, capacity grows to the larger
 of twice the old capacity and the next power of two that holds the request (so a cache
 built with capacity 0 goes 0 -> 1 -> 2 -> 4 ...), and the filled rows are copied once into
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-_DTYPES = (np.dtype(np.float32),)
+_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
 
 def _is_index(value, low: int, high: int | None = None) -> bool:
@@ -40,7 +42,9 @@ class KVCache:
         n_kv_heads: key/value heads per layer (>= 1).
         head_dim: size of one head (>= 1).
         capacity: positions to preallocate; 0 allocates lazily on the first append.
-        dtype: storage dtype; only float32 is supported for now.
+        dtype: storage dtype, float32 or float16 (half the memory and half the bytes attention
+            reads; values are rounded to float16 as they are written, and attention still
+            computes in float32).
     """
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int = 0,

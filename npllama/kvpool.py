@@ -125,9 +125,11 @@ class KVPool:
 
     @classmethod
     def for_model(cls, model, n_pages: int | None = None, *, tokens: int | None = None,
-                  page_size: int = 16, dtype=np.float32) -> "KVPool":
-        """A pool shaped for `model`: `n_pages` pages, or enough pages for `tokens` positions."""
+                  page_size: int = 16, dtype=None) -> "KVPool":
+        """A pool shaped for `model`: `n_pages` pages, or enough pages for `tokens` positions,
+        storing `dtype` (by default the model's `kv_dtype`)."""
         cfg = model.config
+        dtype = model.kv_dtype if dtype is None else dtype
         if n_pages is None:
             if tokens is None:
                 raise ValueError("KVPool.for_model: give n_pages or tokens")

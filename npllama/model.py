@@ -66,6 +66,21 @@ def _f32(t: TensorInfo) -> np.ndarray:
     return quants.dequantize(t.data, t.qtype).reshape(t.shape)
 
 
+def _kv_dtype(kv_dtype, activations: str) -> np.dtype:
+    """The KV storage dtype asked for: float32 or float16; by default float16 with int8
+    activations (the fast mode, as llama.cpp stores its cache), float32 otherwise (exact)."""
+    if kv_dtype is None:
+        return np.dtype(np.float16 if activations == "int8" else np.float32)
+    try:
+        dtype = np.dtype(kv_dtype)
+    except TypeError:
+        dtype = None
+    if dtype not in (np.float32, np.float16):
+        raise ValueError(f"kv_dtype must be float32 or float16 (or None: float16 with int8 activations, "
+                         f"else float32), got {kv_dtype!r}")
+    return dtype
+
+
 PREFILL_CHUNK = 512  # tokens per forward chunk of a long prompt
 
 
@@ -77,11 +92,13 @@ class Model:
     A single Session must not be used from two threads at the same time.
     """
 
-    def __init__(self, path: str | os.PathLike, *, threads: int | None = None, activations: str = "f32"):
+    def __init__(self, path: str | os.PathLike, *, threads: int | None = None, activations: str = "f32",
+                 kv_dtype=None):
         if activations not in ("f32", "int8"):
             raise ValueError(f"activations must be 'f32' (exact, the default) or 'int8' (faster decode, "
                              f"activations quantized per block as llama.cpp does), got {activations!r}")
         self.activations = activations
+        self.kv_dtype = _kv_dtype(kv_dtype, activations)
         self.file = GGUFFile(path)
         self.path = self.file.path
         self.config: ModelConfig = self.file.config
@@ -156,9 +173,9 @@ class Model:
 
     # ---- inference ----------------------------------------------------------------------
     def new_cache(self, capacity: int = 0) -> KVCache:
-        """An empty KV cache shaped for this model."""
+        """An empty KV cache shaped for this model, storing `kv_dtype`."""
         cfg = self.config
-        return KVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, capacity=capacity)
+        return KVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, capacity=capacity, dtype=self.kv_dtype)
 
     def session(self, *, ctx: int | None = None, threads: int | None = None):
         """A new inference session: one KV cache, and a position that is always its length."""
@@ -281,12 +298,16 @@ class Model:
         return logits if all_logits else logits[0]
 
 
-def load(path: str | os.PathLike | None = None, *, threads: int | None = None, activations: str = "f32") -> Model:
+def load(path: str | os.PathLike | None = None, *, threads: int | None = None, activations: str = "f32",
+         kv_dtype=None) -> Model:
     """Load a GGUF model: `path`, else $NPLLAMA_MODEL, else the default model (fetched once).
 
     `activations="int8"` quantizes decode activations to int8 blocks for integer dot products
     (faster, as llama.cpp does, and no longer exact); the default "f32" keeps them float32 and
-    dequantizes the weights exactly inside the products. Prefill is exact in both modes.
+    dequantizes the weights exactly inside the products. Prefill's products are exact in
+    both modes. `kv_dtype` is the KV cache's storage, float32 or float16 (half the memory and
+    half the bytes attention reads, keys and values rounded to float16); by default float16
+    with int8 activations, as llama.cpp, and float32 otherwise.
     """
     from .hub import resolve_model
-    return Model(resolve_model(path), threads=threads, activations=activations)
+    return Model(resolve_model(path), threads=threads, activations=activations, kv_dtype=kv_dtype)

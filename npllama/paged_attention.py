@@ -23,39 +23,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange, types
-from numba.extending import intrinsic, overload
+from numba import njit, prange
 
 from .attention import _BLOCK, _FASTMATH, _ROWS, _rescale
-from .quants import _ir_as_i32, _ir_f16_fast
+from .f16 import _ld
 
 __all__ = ["paged_attend", "plan_blocks"]
-
-
-@intrinsic
-def _half_bits_to_f32(typingctx, bits):
-    """float32 from float16 bits (one instruction where the hardware converts halves)."""
-    if not isinstance(bits, types.Integer):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return _ir_f16_fast(builder, _ir_as_i32(builder, args[0]))
-
-    return types.float32(bits), codegen
-
-
-def _ld(row, d):  # pragma: no cover - replaced by the overload in compiled code
-    raise NotImplementedError
-
-
-@overload(_ld, inline="always")
-def _ld_overload(row, d):
-    """row[d] as float32: float32 pools read as is, float16 pools (uint16 bits) converted."""
-    if row.dtype == types.float32:
-        return lambda row, d: row[d]
-    if row.dtype == types.uint16:
-        return lambda row, d: _half_bits_to_f32(row[d])
-    return None
 
 
 @njit(fastmath=_FASTMATH, cache=True)

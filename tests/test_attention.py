@@ -138,6 +138,20 @@ def test_all_options_together():
     check(q, k, v, mask=mask, softcap=5.0, alibi=np.linspace(0.01, 0.5, 9), window=30, scale=0.2, offset=70)
 
 
+@pytest.mark.parametrize("S, KV", [(1, 1), (1, 300), (5, 12), (33, 70)])
+def test_float16_buffer_reads_as_its_float32_values(S, KV):
+    """A float16 KV buffer attends exactly as the same values stored in float32 (the halves
+    convert exactly; the arithmetic is the same), decode and prefill, with every option."""
+    q, k, v = make(S, KV, 9, 3, 64)
+    kv16 = np.stack((k, v), axis=2).astype(np.float16)
+    kv32 = kv16.astype(np.float32)
+    mask = np.where(np.random.default_rng(5).random((S, KV)) < 0.2, -np.inf, 0.0).astype(np.float32)
+    for options in ({}, {"mask": mask, "softcap": 5.0, "alibi": np.linspace(0.01, 0.5, 9), "window": 30}):
+        got = attend(q, kv16, KV, **options)
+        np.testing.assert_allclose(got, attend(q, kv32, KV, **options), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(got, reference(q, kv32[:, :, 0], kv32[:, :, 1], **options), rtol=RTOL, atol=ATOL)
+
+
 def test_zero_queries_and_empty_cache():
     q, k, v = make(0, 5, 9, 3, 64)
     assert attend_kv(q, k, v).shape == (0, 9, 64)
@@ -152,7 +166,7 @@ def test_validation_errors():
         attend(q, np.zeros((8, 2, 2, 64), np.float32), 8)
     with pytest.raises(ValueError, match="D=64.*D=32"):
         attend(q, np.zeros((8, 3, 2, 32), np.float32), 8)
-    with pytest.raises(ValueError, match="C-contiguous float32"):
+    with pytest.raises(ValueError, match="C-contiguous float32 or float16"):
         attend(q, kv.astype(np.float64), 8)
     with pytest.raises(ValueError, match=r"kv_len must be in \[0, capacity=8\], got 9"):
         attend(q, kv, 9)

@@ -179,3 +179,23 @@ def test_append_dtype_and_layer_errors():
         KVCache(1, 0, D)
     with pytest.raises(ValueError, match="dtype"):
         KVCache(1, KVH, D, dtype=np.int8)
+
+
+def test_float16_storage():
+    """A float16 cache rounds what it stores to float16, grows and forks as a float32 one,
+    in half the bytes."""
+    rng = np.random.default_rng(7)
+    c16, c32 = KVCache(2, KVH, D, dtype=np.float16), KVCache(2, KVH, D)
+    for n in (3, 1, 6):  # growth 0 -> 4 -> 16 with a copy of the filled rows
+        k, v = rows(rng, n)
+        fill(c16, k, v[::-1])  # a reversed (negative-stride) view for v
+        fill(c32, k, v[::-1])
+    assert c16.capacity == c32.capacity == 16 and c16.nbytes * 2 == c32.nbytes
+    k16, v16 = c16.get(1)
+    k32, v32 = c32.get(1)
+    assert k16.dtype == np.float16
+    np.testing.assert_array_equal(k16, k32.astype(np.float16))
+    np.testing.assert_array_equal(v16, v32.astype(np.float16))
+    other = c16.fork()
+    assert other.dtype == np.float16 and not np.shares_memory(other.buffers(), c16.buffers())
+    np.testing.assert_array_equal(other.get(0)[0], c16.get(0)[0])

@@ -86,9 +86,10 @@ def test_long_decode_matches_reference(tmp_path, variant, threads):
 @pytest.mark.parametrize("qtype", [QT.F32, QT.Q8_0, QT.Q4_0, QT.Q4_1])
 def test_int8_activations_decode_is_close(tmp_path, qtype):
     """The opt-in int8 mode: decode logits near the exact ones (activations quantized per
-    block of 32 to int8 lose about 2^-8 relative precision), prefill unchanged."""
+    block of 32 to int8 lose about 2^-8 relative precision), prefill unchanged (with the
+    same float32 KV cache: int8 mode's default float16 cache is tested apart)."""
     path = write_tiny_llama(tmp_path / "m.gguf", qtype=qtype)
-    exact, fast = npllama.Model(path), npllama.Model(path, activations="int8")
+    exact, fast = npllama.Model(path), npllama.Model(path, activations="int8", kv_dtype=np.float32)
     a, b = exact.session(), fast.session()
     np.testing.assert_array_equal(a.feed(IDS[:4]), b.feed(IDS[:4]))
     la = np.stack([a.feed([t]) for t in IDS[4:]])
@@ -99,6 +100,31 @@ def test_int8_activations_decode_is_close(tmp_path, qtype):
         assert err > 0  # the int8 kernels really ran
     with pytest.raises(ValueError, match="activations must be"):
         npllama.Model(path, activations="int4")
+
+
+def test_float16_kv_cache(tmp_path, threads):
+    """kv_dtype=float16: the cache stores halves; prefill (attend) and the fused decode step
+    (which writes each new key and value as float16 itself) agree with each other and stay
+    near the float32-cache logits. int8 activations default to it."""
+    path = write_tiny_llama(tmp_path / "m.gguf", n_embd=72, n_head=9, n_head_kv=3, n_ff=80)
+    exact, half = npllama.Model(path, threads=threads), npllama.Model(path, threads=threads, kv_dtype="float16")
+    ids = [int(t) for t in np.random.default_rng(4).integers(0, 256, 40)]
+    ref = exact.session().feed(ids, all_logits=True)
+    decoded, prefilled = half.session(), half.session()
+    got = np.stack([decoded.feed([t]) for t in ids])      # the fused step, one token at a time
+    batch = prefilled.feed(ids, all_logits=True)          # one forward pass through attend
+    assert decoded.cache.dtype == np.float16 and decoded.cache.nbytes * 2 == exact.new_cache(64).nbytes
+    scale = np.abs(ref).max()
+    assert np.abs(got - batch).max() <= 2e-4 * scale
+    assert 0 < np.abs(got - ref).max() <= 1e-2 * scale  # float16 keys and values: close, not equal
+    for layer in range(2):
+        for a, b in zip(decoded.cache.get(layer), prefilled.cache.get(layer)):
+            np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=2e-3, atol=2e-3)
+    assert npllama.Model(path, activations="int8").new_cache().dtype == np.float16
+    assert npllama.Model(path, activations="int8", kv_dtype=np.float32).new_cache().dtype == np.float32
+    for bad in ("float64", np.int8, "half-ish"):
+        with pytest.raises(ValueError, match="kv_dtype must be float32 or float16"):
+            npllama.Model(path, kv_dtype=bad)
 
 
 def test_unsupported_rope_scaling_is_refused(tmp_path):

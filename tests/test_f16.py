@@ -1,0 +1,84 @@
+"""float16 storage from compiled code (npllama.f16): conversions against NumPy's."""
+import numpy as np
+import pytest
+from numba import njit
+
+from npllama.f16 import _f32_to_half_soft, _ld, _st, bits
+
+
+@njit
+def _store_all(x, out):
+    for i in range(x.shape[0]):
+        _st(out, i, x[i])
+
+
+@njit
+def _load_all(a, out):
+    for i in range(a.shape[0]):
+        out[i] = _ld(a, i)
+
+
+@njit
+def _soft_all(x, out):
+    for i in range(x.shape[0]):
+        out[i] = _f32_to_half_soft(x[i])
+
+
+def _hard_cases():
+    """float32 values around every float16 boundary: ties, subnormals, overflow, specials."""
+    half = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    h32 = half[np.isfinite(half)].astype(np.float32)
+    with np.errstate(over="ignore"):  # the spacing above 65504 is inf: those "ties" are inf
+        ulp = np.abs(np.spacing(half[np.isfinite(half)]).astype(np.float32))
+    ties = h32 + ulp / 2  # exactly halfway to the next float16: round to even
+    near = np.concatenate([np.nextafter(ties, np.float32(np.inf)), np.nextafter(ties, np.float32(-np.inf))])
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 65504.0, 65519.996, 65520.0, 1e10, -1e10,
+                        2.0 ** -25, 2.0 ** -25 * 1.0000001, 2.0 ** -26, 1e-40, -1e-45, 3.4e38], np.float32)
+    rand = np.random.default_rng(0).integers(0, 1 << 32, 200_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    return np.concatenate([h32, ties, near, special, rand])
+
+
+def _same_halves(got_bits, want):
+    """Bit equality, except that NaNs only need to be NaNs."""
+    got = got_bits.view(np.float16)
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan)
+    np.testing.assert_array_equal(got_bits[~nan], want[~nan].view(np.uint16))
+
+
+def test_soft_conversion_rounds_as_numpy():
+    x = _hard_cases()
+    out = np.empty(x.shape, np.uint16)
+    _soft_all(x, out)
+    with np.errstate(over="ignore"):
+        _same_halves(out, x.astype(np.float16))
+
+
+def test_store_rounds_as_numpy():
+    """_st into a uint16 row: the hardware conversion where there is one, else the soft one."""
+    x = _hard_cases()
+    out = np.empty(x.shape, np.uint16)
+    _store_all(x, out)
+    with np.errstate(over="ignore"):
+        _same_halves(out, x.astype(np.float16))
+    f32 = np.empty(x.shape, np.float32)
+    _store_all(x, f32)  # float32 rows store as they are
+    np.testing.assert_array_equal(f32.view(np.uint32), x.view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_load_is_exact(dtype):
+    a = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(dtype)
+    out = np.empty(a.shape, np.float32)
+    _load_all(bits(a), out)
+    want = a.astype(np.float32)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+    ok = ~np.isnan(want)
+    np.testing.assert_array_equal(out[ok].view(np.uint32), want[ok].view(np.uint32))
+
+
+def test_bits_views_halves_only():
+    a16, a32 = np.zeros(4, np.float16), np.zeros(4, np.float32)
+    assert bits(a16).dtype == np.uint16 and np.shares_memory(bits(a16), a16)
+    assert bits(a32) is a32
+
