@@ -34,7 +34,7 @@ engine, path, ids, gen, threads, repeats = sys.argv[1], sys.argv[2], json.loads(
 best_p = best_d = 0.0
 if engine == "llama.cpp":
     from llama_cpp import Llama
-    llm = Llama(model_path=path, n_ctx=len(ids) + gen + 8, n_batch=512, n_threads=threads,
+    llm = Llama(model_path=path, n_ctx=len(ids) + gen + 8, n_batch=max(512, len(ids) + gen + 8), n_threads=threads,
                 n_threads_batch=threads, verbose=False)
     for _ in range(repeats):
         llm.reset()
