@@ -1,6 +1,6 @@
 """Peak memory of a long session: the model file, the KV cache, and everything else.
 
-    python bench/bench_memory.py [--tokens 4096] [--model PATH]
+    python bench/bench_memory.py [--tokens 4096] [--model PATH] [--kv-dtype float16]
 
 Prints peak RSS (which counts the memory-mapped weights once they are read), the model file
 size, the KV cache size, the runtime's own footprint (Python, NumPy, Numba and its LLVM JIT,
@@ -26,12 +26,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--model")
+    ap.add_argument("--kv-dtype", default="float32", choices=["float32", "float16"], help="KV cache storage")
     args = ap.parse_args()
     import npllama
     from npllama import quants
     quants.dequantize(np.zeros((1, 34), np.uint8), 8)  # start Numba's JIT: part of the runtime
     runtime = rss_mib()
-    m = npllama.load(args.model)
+    m = npllama.load(args.model, kv_dtype=args.kv_dtype)
     s = m.session()
     ids = np.random.default_rng(0).integers(100, m.config.n_vocab - 100, args.tokens)
     t0 = time.perf_counter()
@@ -42,7 +43,7 @@ def main():
     file_mib = os.path.getsize(m.path) / 2**20
     kv = s.cache.nbytes / 2**20
     print(f"{args.tokens}-token session ({dt:.1f} s): peak RSS {peak:.0f} MiB = model file {file_mib:.0f} "
-          f"+ KV cache {kv:.0f} (capacity {s.cache.capacity}) + runtime {runtime:.0f} "
+          f"+ KV cache {kv:.0f} ({s.cache.dtype}, capacity {s.cache.capacity}) + runtime {runtime:.0f} "
           f"+ other {peak - file_mib - kv - runtime:.0f} MiB")
 
 
