@@ -4,7 +4,8 @@ ratios to llama.cpp. Never a pass/fail test.
 
     python bench/bench_compare.py [--model PATH] [--quant q8_0] [--threads 2] [--rounds 3]
 
-npllama runs twice: the default exact mode, and the opt-in int8-activation mode (npllama-int8).
+npllama runs twice: the default exact mode, and the opt-in int8-activation mode (npllama-int8,
+with its default float16 KV cache; llama.cpp stores its cache in float16 too).
 
 The references run in their own python (the venv of ../shared/tools/setup-refs.sh, or
 $NPLLAMA_REF_PY); each is skipped with a note when it is not installed there.

@@ -86,8 +86,8 @@ def _accumulate(q, kv, i0, pos0, g, t0, t1, window, scale, softcap, mask, use_ma
     q: (S, H, D); kv: (cap, KVH, 2, D) float32, or uint16 (float16 bits: npllama.f16); row
     i0 + r sits at position pos0 + r and handles query heads g*G .. g*G+G-1. m, l: (R, G)
     running max / sum; acc: (R, G, D) running unnormalised output; s: (R, G, _BLOCK)
-    scratch. Keys a row may not see are skipped, so
-    t0..t1 may span the union of the rows' ranges.
+    scratch. Keys a row may not see are skipped, so t0..t1 may span the union of the rows'
+    ranges.
     """
     R, G = m.shape
     D = q.shape[2]
@@ -195,8 +195,8 @@ def _decode_chunk(qs, kv, t0, t1, m, l, acc, s):
     step's attention. Each (position, KV head) record of the cache is read once, in order.
 
     qs: (KVH, G, D) the query heads grouped by KV head, already multiplied by the scale;
-    kv: (cap, KVH, 2, D); m, l: (KVH, G) running max / sum; acc: (KVH, G, D) running output;
-    s: (KVH, G, _BLOCK) scratch.
+    kv: (cap, KVH, 2, D) float32 or uint16 (float16 bits); m, l: (KVH, G) running max / sum;
+    acc: (KVH, G, D) running output; s: (KVH, G, _BLOCK) scratch.
     """
     KVH, G, D = qs.shape
     for b0 in range(t0, t1, _BLOCK):

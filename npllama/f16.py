@@ -16,6 +16,7 @@ vectorizes; elsewhere a portable integer version runs.
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
@@ -48,7 +49,6 @@ def _f32_to_half_hw(typingctx, x):
         return None
 
     def codegen(context, builder, sig, args):
-        from llvmlite import ir
         return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
 
     return types.uint16(x), codegen
@@ -61,7 +61,6 @@ def _f32_bits(typingctx, x):
         return None
 
     def codegen(context, builder, sig, args):
-        from llvmlite import ir
         return builder.bitcast(args[0], ir.IntType(32))
 
     return types.uint32(x), codegen
