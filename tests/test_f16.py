@@ -46,23 +46,21 @@ def _same_halves(got_bits, want):
     np.testing.assert_array_equal(got_bits[~nan], want[~nan].view(np.uint16))
 
 
-def test_soft_conversion_rounds_as_numpy():
+@pytest.mark.parametrize("convert", [_soft_all, _store_all], ids=["soft", "store"])
+def test_rounds_as_numpy(convert):
+    """The integer conversion, and _st into a uint16 row (the hardware conversion where there
+    is one, else the integer one)."""
     x = _hard_cases()
     out = np.empty(x.shape, np.uint16)
-    _soft_all(x, out)
+    convert(x, out)
     with np.errstate(over="ignore"):
         _same_halves(out, x.astype(np.float16))
 
 
-def test_store_rounds_as_numpy():
-    """_st into a uint16 row: the hardware conversion where there is one, else the soft one."""
+def test_store_into_float32_rows_keeps_the_bits():
     x = _hard_cases()
-    out = np.empty(x.shape, np.uint16)
-    _store_all(x, out)
-    with np.errstate(over="ignore"):
-        _same_halves(out, x.astype(np.float16))
     f32 = np.empty(x.shape, np.float32)
-    _store_all(x, f32)  # float32 rows store as they are
+    _store_all(x, f32)
     np.testing.assert_array_equal(f32.view(np.uint32), x.view(np.uint32))
 
 
