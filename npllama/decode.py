@@ -9,10 +9,11 @@ parallel kernels, the fork/join of ~270 parallel regions per token costs about a
 work itself and takes its share of each product and of attention as work items from atomic
 counters (npllama.workshare).
 
-The weights are addressed as (type, byte offset, rows, row bytes) entries into the model
-file's memory map (`DecodePlan.table`) rather than as tuples of arrays: a tuple indexed by
-layer inside compiled code becomes a branch per layer at every use, which made compiling a
-30-layer step take minutes. The new key and value rows are written straight into the KV
+The weights are addressed as (type, byte offset, rows, row bytes, buffer) entries into the
+model file's memory map or, in int8 mode, into one array of the Q4_1 weights repacked for the
+int8 kernel (`DecodePlan.table`, `DecodePlan.packed`) rather than as tuples of arrays: a tuple
+indexed by layer inside compiled code becomes a branch per layer at every use, which made
+compiling a 30-layer step take minutes. The new key and value rows are written straight into the KV
 cache's array; the caller commits them afterwards.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ from .attention import _BLOCK, _TASKS_PER_THREAD, _decode_chunk, _merge_chunks
 from .f16 import _st, bits
 from .kernels import _rmsnorm_row, _rope_row, _swiglu_row
 from .quants import _block_sums, _deq_row, _rows_f32
-from .quants_int8 import _has_i8, _quantize_x_q8, _rows_i8
+from .quants_int8 import _Q4_1, _Q4_1P, _has_i8, _pack_q4_1, _quantize_x_q8, _rows_i8
 from .workshare import _finish, _take, _wait, phase_size
 
 _MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the products of a layer, in order
@@ -34,13 +35,13 @@ _STEPS = len(_MATRICES)
 _ATT = _STEPS  # the attention's counters follow the products'
 
 
-def _entry(buffer: np.ndarray, w) -> tuple[int, int, int, int]:
-    """(type code, byte offset in `buffer`, rows, row bytes) of the QWeight `w`, a view on it."""
+def _entry(buffer: np.ndarray, w) -> list[int]:
+    """[type code, byte offset in `buffer`, rows, row bytes, 0] of the QWeight `w`, a view on it."""
     lo = buffer.__array_interface__["data"][0]
     start = w.data.__array_interface__["data"][0]
     if not (w.data.flags.c_contiguous and lo <= start and start + w.data.nbytes <= lo + buffer.nbytes):
         raise ValueError(f"weight {w.name} is not a contiguous view of the model file")
-    return int(w.qtype), start - lo, w.data.shape[0], w.data.shape[1]
+    return [int(w.qtype), start - lo, w.data.shape[0], w.data.shape[1], 0]
 
 
 class DecodePlan:
@@ -60,13 +61,15 @@ class DecodePlan:
         q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
         self.buffer = model.file.buffer
         # table[layer, step]: the weight of product `step` (_MATRICES order) of that layer;
-        # table[n_layer, 0]: the output head; table[n_layer, 1]: the token embedding
-        table = np.zeros((cfg.n_layer + 1, _STEPS, 4), np.int64)
+        # table[n_layer, 0]: the output head; table[n_layer, 1]: the token embedding (read
+        # from the file: its rows are looked up, not dotted)
+        table = np.zeros((cfg.n_layer + 1, _STEPS, 5), np.int64)
         for li, L in enumerate(layers):
             table[li] = [_entry(self.buffer, getattr(L, a)) for a in _MATRICES]
         table[cfg.n_layer, 0] = _entry(self.buffer, model.output)
         table[cfg.n_layer, 1] = _entry(self.buffer, model.token_embd)
         self.table = table
+        self.packed = self._packed_weights() if int8 else np.empty(0, np.uint8)
         self.attn_norm = stack("attn_norm", cfg.n_embd)  # (n_layer, n_embd)
         self.ffn_norm = stack("ffn_norm", cfg.n_embd)    # (n_layer, n_embd)
         self.bq = stack("bq", q_dim)                     # (n_layer, q_dim) or (n_layer, 0)
@@ -75,6 +78,21 @@ class DecodePlan:
         self.model = model
         self.eps = np.float32(cfg.rms_eps)
         self.scale = np.float32(1.0 / math.sqrt(cfg.head_dim))
+
+    def _packed_weights(self) -> np.ndarray:
+        """One array of every Q4_1 product weight (the layers' and the head's), packed for the
+        int8 kernel (`quants_int8.pack_q4_1`); their table entries then point into it (type
+        `_Q4_1P`, buffer 1)."""
+        products = self.table.reshape(-1, 5)[:-(_STEPS - 1)]  # all but the embedding and unused
+        entries = [e for e in products if e[0] == _Q4_1]     # row views: writes go to the table
+        packed = np.empty(sum(int(e[2] * e[3]) for e in entries), np.uint8)
+        at = 0
+        for e in entries:
+            off, n, shape = int(e[1]), int(e[2] * e[3]), (int(e[2]), int(e[3]))
+            _pack_q4_1(self.buffer[off:off + n].reshape(shape), packed[at:at + n].reshape(shape))
+            e[0], e[1], e[4] = _Q4_1P, at, 1
+            at += n
+        return packed
 
     def step(self, token: int, pos: int, cache, threads: int) -> np.ndarray:
         """Logits (n_vocab,) of `token` at `pos` (== cache.length); writes row `pos` of every
@@ -90,9 +108,9 @@ class DecodePlan:
         n_chunks = max(1, min(_TASKS_PER_THREAD * threads, (pos + 1) // (_BLOCK // 2)))
         chunk = -(-(pos + 1) // n_chunks)
         logits = np.empty(cfg.n_vocab, np.float32)
-        _decode_step(token, pos, chunk, self.buffer, self.table, self.attn_norm, self.ffn_norm, self.bq, self.bk,
-                     self.bv, bits(cache.buffers()), m.rope.cos, m.rope.sin, m.rope.neox, self.eps, self.scale,
-                     cfg.n_head, m.output_norm, self.int8, logits, threads)
+        _decode_step(token, pos, chunk, self.buffer, self.packed, self.table, self.attn_norm, self.ffn_norm, self.bq,
+                     self.bk, self.bv, bits(cache.buffers()), m.rope.cos, m.rope.sin, m.rope.neox, self.eps,
+                     self.scale, cfg.n_head, m.output_norm, self.int8, logits, threads)
         cache.commit(1)
         return logits
 
@@ -126,9 +144,10 @@ def _rows(code, w, r0, r1, x, xsum, qx, dx, sx, int8, out):
 
 
 @njit(cache=True)
-def _weight(buffer, entry):
+def _weight(buffer, packed, entry):
     """The (rows, row bytes) uint8 view of the weight of a DecodePlan.table entry."""
-    return buffer[entry[1]:entry[1] + entry[2] * entry[3]].reshape(entry[2], entry[3])
+    src = packed if entry[4] else buffer
+    return src[entry[1]:entry[1] + entry[2] * entry[3]].reshape(entry[2], entry[3])
 
 
 @njit(cache=True)
@@ -165,8 +184,8 @@ def _slot(li, step, nr):
 
 
 @njit(cache=True)
-def _worker(ctr, home, nr, token, pos, chunk, buffer, table, attn_norm, ffn_norm, bq, bk, bv, kvs, cos, sin, neox, eps,
-            scale, H, out_norm, int8, logits, res, offs, part_m, part_l, part_acc):
+def _worker(ctr, home, nr, token, pos, chunk, buffer, packed, table, attn_norm, ffn_norm, bq, bk, bv, kvs, cos, sin,
+            neox, eps, scale, H, out_norm, int8, logits, res, offs, part_m, part_l, part_acc):
     """One thread's share of a decode step. Every thread keeps its own copy of the residual
     stream and of the small per-token values (norms, RoPE, quantized activations), computed
     identically from the shared results; the products (the FFN's gate and up together, with
@@ -194,7 +213,7 @@ def _worker(ctr, home, nr, token, pos, chunk, buffer, table, attn_norm, ffn_norm
     s = np.empty((KVH, H // KVH, _BLOCK), np.float32)
     n_items = np.zeros(_STEPS, np.int64)
     embd = table[n_layer, 1]
-    _deq_row(embd[0], _weight(buffer, embd)[token], x)
+    _deq_row(embd[0], _weight(buffer, packed, embd)[token], x)
     for li in range(n_layer + 1):
         for step in range(_STEPS if li < n_layer else 1):
             if step == 5:  # the up product runs with the gate product (step 4)
@@ -230,9 +249,9 @@ def _worker(ctr, home, nr, token, pos, chunk, buffer, table, attn_norm, ffn_norm
                 xin, qx, dx, sx = hf, qf, df, sf
             else:
                 xin, qx, dx, sx = he, qe, de, se
-            n_items[step] = _product(ctr, _slot(li, step, nr), home, nr, entry[0], _weight(buffer, entry), xin, xsum,
-                                     qx, dx, sx, int8, out, li < n_layer and step == 4, up[0], _weight(buffer, up),
-                                     out_up)
+            n_items[step] = _product(ctr, _slot(li, step, nr), home, nr, entry[0], _weight(buffer, packed, entry),
+                                     xin, xsum, qx, dx, sx, int8, out, li < n_layer and step == 4, up[0],
+                                     _weight(buffer, packed, up), out_up)
         if li < n_layer:
             _wait(ctr, _slot(li, 6, nr), nr, n_items[6])
             x += res[li, offs[6]:offs[7]]
@@ -284,8 +303,8 @@ def _attention(ctr, home, nr, li, pos, chunk, res, offs, n_items, q, k, v, bq, b
 
 
 @njit(parallel=True, cache=True)
-def _decode_step(token, pos, chunk, buffer, table, attn_norm, ffn_norm, bq, bk, bv, kvs, cos, sin, neox, eps, scale,
-                 H, out_norm, int8, logits, n_threads):
+def _decode_step(token, pos, chunk, buffer, packed, table, attn_norm, ffn_norm, bq, bk, bv, kvs, cos, sin, neox, eps,
+                 scale, H, out_norm, int8, logits, n_threads):
     """One token through every layer in one parallel region: each thread runs `_worker`, and
     the products and attention are shared out as work items (see npllama.workshare)."""
     n_layer = attn_norm.shape[0]
@@ -302,5 +321,5 @@ def _decode_step(token, pos, chunk, buffer, table, attn_norm, ffn_norm, bq, bk, 
     part_acc = np.empty((n_layer, n_chunks, KVH, H // KVH, D), np.float32)
     ctr = np.zeros(_slot(n_layer + 1, 0, n_threads), np.int64)
     for home in prange(n_threads):
-        _worker(ctr, home, n_threads, token, pos, chunk, buffer, table, attn_norm, ffn_norm, bq, bk, bv, kvs, cos,
-                sin, neox, eps, scale, H, out_norm, int8, logits, res, offs, part_m, part_l, part_acc)
+        _worker(ctr, home, n_threads, token, pos, chunk, buffer, packed, table, attn_norm, ffn_norm, bq, bk, bv, kvs,
+                cos, sin, neox, eps, scale, H, out_norm, int8, logits, res, offs, part_m, part_l, part_acc)

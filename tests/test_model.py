@@ -102,6 +102,32 @@ def test_int8_activations_decode_is_close(tmp_path, qtype):
         npllama.Model(path, activations="int4")
 
 
+def test_int8_plan_packs_q4_1(tmp_path):
+    """In int8 mode the decode step reads every Q4_1 product weight from one packed copy
+    (quants_int8.pack_q4_1 of the file's rows); other weights and the embedding lookup read
+    the file."""
+    from npllama.decode import DecodePlan
+    from npllama.quants_int8 import _Q4_1P, pack_q4_1
+    path = write_tiny_llama(tmp_path / "m.gguf", qtype=QT.Q4_1, tied=False)
+    m = npllama.Model(path, activations="int8")
+    exact, plan = DecodePlan(m), DecodePlan(m, int8=True)
+    assert exact.packed.size == 0 and not exact.table[..., 4].any()
+    n = m.config.n_layer
+    weights = [getattr(L, a) for L in m.layers for a in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")]
+    entries = list(plan.table[:n].reshape(-1, 5)) + [plan.table[n, 0]]
+    for w, e in zip(weights + [m.output], entries):
+        code, off, rows, row_bytes, in_packed = (int(v) for v in e)
+        assert (rows, row_bytes) == w.data.shape
+        if w.qtype == QT.Q4_1:
+            assert code == _Q4_1P and in_packed
+            got = plan.packed[off:off + rows * row_bytes].reshape(rows, row_bytes)
+            np.testing.assert_array_equal(got, pack_q4_1(w.data))
+        else:
+            assert code == int(w.qtype) and not in_packed
+    assert sum(w.data.nbytes for w in weights + [m.output] if w.qtype == QT.Q4_1) == plan.packed.size > 0
+    np.testing.assert_array_equal(plan.table[n, 1], exact.table[n, 1])  # the embedding: the file
+
+
 def test_float16_kv_cache(tmp_path, threads):
     """kv_dtype=float16: the cache stores halves; prefill (attend) and the fused decode step
     (which writes each new key and value as float16 itself) agree with each other and stay
