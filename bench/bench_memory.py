@@ -1,10 +1,11 @@
 """Peak memory of a long session: the model file, the KV cache, and everything else.
 
-    python bench/bench_memory.py [--tokens 4096] [--model PATH] [--kv-dtype float16]
+    python bench/bench_memory.py [--tokens 4096] [--model PATH] [--kv-dtype float16] [--activations int8]
 
 Prints peak RSS (which counts the memory-mapped weights once they are read), the model file
 size, the KV cache size, the runtime's own footprint (Python, NumPy, Numba and its LLVM JIT,
-measured before the model is touched), and what is left over. Never a pass/fail test.
+measured before the model is touched), and what is left over (with ``--activations int8``, it
+includes the decode step's packed copy of the Q4_1 weights). Never a pass/fail test.
 """
 import argparse
 import os
@@ -27,12 +28,13 @@ def main():
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--model")
     ap.add_argument("--kv-dtype", default="float32", choices=["float32", "float16"], help="KV cache storage")
+    ap.add_argument("--activations", default="f32", choices=["f32", "int8"], help="decode activations")
     args = ap.parse_args()
     import npllama
     from npllama import quants
     quants.dequantize(np.zeros((1, 34), np.uint8), 8)  # start Numba's JIT: part of the runtime
     runtime = rss_mib()
-    m = npllama.load(args.model, kv_dtype=args.kv_dtype)
+    m = npllama.load(args.model, kv_dtype=args.kv_dtype, activations=args.activations)
     s = m.session()
     ids = np.random.default_rng(0).integers(100, m.config.n_vocab - 100, args.tokens)
     t0 = time.perf_counter()
