@@ -13,8 +13,8 @@ The weights are addressed as (type, byte offset, rows, row bytes, buffer) entrie
 model file's memory map or, in int8 mode, into one array of the Q4_1 weights repacked for the
 int8 kernel (`DecodePlan.table`, `DecodePlan.packed`) rather than as tuples of arrays: a tuple
 indexed by layer inside compiled code becomes a branch per layer at every use, which made
-compiling a 30-layer step take minutes. The new key and value rows are written straight into the KV
-cache's array; the caller commits them afterwards.
+compiling a 30-layer step take minutes. The new key and value rows are written straight into
+the KV cache's array; the caller commits them afterwards.
 """
 from __future__ import annotations
 
