@@ -60,8 +60,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .quants import (_F32T, _FAST_FLAGS, _HW_F16, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q8_0,
-                     _ir_f16_exact, _ir_hsum, _ir_i32, _ir_load, _ir_splat, _ir_vec_zero, _is_c_array, _matvec,
-                     _product_args, _task_rows)
+                     _ir_accumulate, _ir_f16_exact, _ir_hsum, _ir_i32, _ir_load, _ir_splat, _ir_vec_zero,
+                     _is_c_array, _matvec, _product_args, _task_rows)
 
 __all__ = ["DOT_ISA", "INT8_TYPES", "VNNI", "matmul_int8", "pack_q4_1", "quantize_x"]
 
@@ -328,9 +328,6 @@ def _make_row_dots(isa: str, group: int = 4, n_acc: int = 2, hadd: bool | None =
             slot = cgutils.alloca_once(builder, _vec(_F32T, group))
             slot_f = builder.bitcast(slot, _F32T.as_pointer())
 
-            def accumulate(ptr, v):
-                builder.store(builder.fadd(builder.load(ptr), v, flags=_FAST_FLAGS), ptr)
-
             def add_group_hadd(b0, g, scales):
                 # the g (2 or 4) blocks' int32 lanes summed pairwise (vphaddd) into one vector
                 # of partial block sums, then one conversion and one multiply-add for them all
@@ -343,12 +340,12 @@ def _make_row_dots(isa: str, group: int = 4, n_acc: int = 2, hadd: bool | None =
                     h = _ir_call(builder, "llvm.x86.avx2.phadd.d", v8, [h, h23])  # [b0 b1 b2 b3 | b0 b1 b2 b3]
                     idx = [0, 1, 2, 3, 0, 1, 2, 3]
                 sc = _shuffle(builder, scales, scales, idx)
-                accumulate(accs[0], builder.fmul(sc, builder.sitofp(h, _vec(_F32T, 8)), flags=_FAST_FLAGS))
+                _ir_accumulate(builder, accs[0], builder.fmul(sc, builder.sitofp(h, _vec(_F32T, 8)), flags=_FAST_FLAGS))
 
             def add_group(b0, g):
                 scales, mterms = _ir_scales(builder, rp, dp, sp, b0, g, kind)
                 if has_m:
-                    accumulate(acc_m[g], mterms)
+                    _ir_accumulate(builder, acc_m[g], mterms)
                 if hadd and g in (2, 4) and lanes == 8:
                     add_group_hadd(b0, g, scales)
                     return
@@ -362,9 +359,9 @@ def _make_row_dots(isa: str, group: int = 4, n_acc: int = 2, hadd: bool | None =
                 for i in range(g):
                     scale = builder.load(builder.gep(slot_f, [_ir_i32(i)]))
                     dot = _ir_block_dot(builder, rp, qp, builder.add(b0, c(i)), kind, isa)
-                    accumulate(accs[i % n_acc], builder.fmul(_ir_splat(builder, scale, lanes),
-                                                             builder.sitofp(dot, _vec(_F32T, lanes)),
-                                                             flags=_FAST_FLAGS))
+                    term = builder.fmul(_ir_splat(builder, scale, lanes), builder.sitofp(dot, _vec(_F32T, lanes)),
+                                        flags=_FAST_FLAGS)
+                    _ir_accumulate(builder, accs[i % n_acc], term)
 
             shift = c(group.bit_length() - 1)
             with cgutils.for_range(builder, builder.ashr(nb, shift)) as loop:
@@ -496,9 +493,6 @@ def _make_packed_q4_1_dot(isa: str):
         acc_m = {g: cgutils.alloca_once_value(builder, _ir_vec_zero(g)) for g in (8, 4, 2, 1)}
         d_at, m_at = builder.mul(nb, c(16)), builder.mul(nb, c(18))
 
-        def accumulate(ptr, v):
-            builder.store(builder.fadd(builder.load(ptr), v, flags=_FAST_FLAGS), ptr)
-
         def dot(u, b):  # int32 lanes of the unsigned quants u with block b of x
             return _ir_dot_us(builder, u, _ir_load(builder, qp, builder.mul(b, c(32)), _vec(_I8, 32), 1), isa)
 
@@ -547,8 +541,9 @@ def _make_packed_q4_1_dot(isa: str):
             dw = _ir_f16_vec(builder, _ir_load(builder, rp, builder.add(d_at, at), _vec(_I16, g), 1))
             mw = _ir_f16_vec(builder, _ir_load(builder, rp, builder.add(m_at, at), _vec(_I16, g), 1))
             scale = builder.fmul(dw, _ir_load(builder, dp, b0, _vec(_F32T, g), 4), flags=_FAST_FLAGS)
-            accumulate(acc[g], builder.fmul(scale, sums, flags=_FAST_FLAGS))
-            accumulate(acc_m[g], builder.fmul(mw, _ir_load(builder, sp, b0, _vec(_F32T, g), 4), flags=_FAST_FLAGS))
+            _ir_accumulate(builder, acc[g], builder.fmul(scale, sums, flags=_FAST_FLAGS))
+            sx = _ir_load(builder, sp, b0, _vec(_F32T, g), 4)
+            _ir_accumulate(builder, acc_m[g], builder.fmul(mw, sx, flags=_FAST_FLAGS))
 
         with cgutils.for_range(builder, builder.ashr(nb, c(3))) as loop:
             add_blocks(builder.shl(loop.index, c(3)), 8)
