@@ -22,6 +22,8 @@ Njit level, for fused kernels (C-contiguous arrays and scalars only; they never 
   ``_dot_row_q8_0(row, x, nb)``, ``_dot_row_q4_0(row, x, nb)`` and
   ``_dot_row_q4_1(row, x, xsum, nb)``, other types dequantizing each row first.
 * ``_matvec(code, data, x, out)``: the same product for all rows, row-parallel.
+* ``_prefetch_ahead(data, r)``: the row loops' software prefetch of the weight bytes a
+  little past row r (``_prefetch(data, i)`` beneath: a hint, valid past the end).
 
 Dequantization reproduces gguf's float32 arithmetic order exactly (float16 scales are
 widened to float32 first, products are rounded before sums, no fused multiply-add), so
@@ -592,6 +594,43 @@ def _dot_row_q4_1(typingctx, row, x, xsum, nb):
     return types.float32(row, x, xsum, nb), codegen
 
 
+@intrinsic
+def _prefetch(typingctx, data, i):
+    """Ask the CPU to bring the cache line of byte ``i`` of the C-contiguous uint8 array
+    ``data`` (any shape) into its caches (llvm.prefetch: read, highest locality). A prefetch never faults
+    and changes no value, so ``i`` may lie past the end of ``data``."""
+    if not (isinstance(data, types.Array) and data.layout == "C" and data.dtype == types.uint8
+            and isinstance(i, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        base = context.make_array(sig.args[0])(context, builder, args[0]).data
+        at = builder.gep(base, [context.cast(builder, args[1], sig.args[1], types.intp)])
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [at.type, _I32, _I32, _I32]), "llvm.prefetch.p0i8")
+        builder.call(fn, [at, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+
+    return types.none(data, i), codegen
+
+
+_PREFETCH_AHEAD = 2048
+"""Bytes ahead of the weight row being dotted that the row loops prefetch. With the hardware
+prefetcher alone the int8 products over a decode step's 66 MB of layer weights ran at 34 GB/s
+where a plain sum read the same bytes at 50-100 GB/s; prefetching 2 KB ahead made that sweep
+5% faster and int8 decode 3-5% faster (same-process A/B; 1, 3 and 4 KB did no better, 8 KB
+less well); float32 decode, more compute-bound, +1%."""
+
+
+@njit(cache=True)
+def _prefetch_ahead(data, r):
+    """Prefetch the bytes ``_PREFETCH_AHEAD`` past row ``r`` of the (rows, row bytes) uint8
+    array ``data`` (a row the loop dots a few rows later, or the next weight's first rows)."""
+    rb = data.shape[1]
+    for i in range(r * rb + _PREFETCH_AHEAD, (r + 1) * rb + _PREFETCH_AHEAD, 64):
+        _prefetch(data, i)
+
+
 @njit(cache=True, fastmath=_FAST)
 def _block_sums(x, xsum):
     """xsum[b] = sum of x[32b : 32b + 32], the term of Q4_1's block minimum in its dots."""
@@ -610,16 +649,20 @@ def _rows_f32(code, data, r0, r1, x, xsum, out):
     nb = x.shape[0] // 32
     if code == _Q4_1:
         for r in range(r0, r1):
+            _prefetch_ahead(data, r)
             out[r] = _dot_row_q4_1(data[r], x, xsum, nb)
     elif code == _Q8_0:
         for r in range(r0, r1):
+            _prefetch_ahead(data, r)
             out[r] = _dot_row_q8_0(data[r], x, nb)
     elif code == _Q4_0:
         for r in range(r0, r1):
+            _prefetch_ahead(data, r)
             out[r] = _dot_row_q4_0(data[r], x, nb)
     else:
         row = np.empty(x.shape[0], np.float32)
         for r in range(r0, r1):
+            _prefetch_ahead(data, r)
             _deq_row(code, data[r], row)
             acc = np.float32(0.0)
             for i in range(x.shape[0]):

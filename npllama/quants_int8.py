@@ -61,7 +61,7 @@ from numba.extending import intrinsic
 
 from .quants import (_F32T, _FAST_FLAGS, _HW_F16, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q8_0,
                      _ir_accumulate, _ir_f16_exact, _ir_hsum, _ir_i32, _ir_load, _ir_splat, _ir_vec_zero,
-                     _is_c_array, _matvec, _product_args, _task_rows)
+                     _is_c_array, _matvec, _prefetch_ahead, _product_args, _task_rows)
 
 __all__ = ["DOT_ISA", "INT8_TYPES", "VNNI", "matmul_int8", "pack_q4_1", "quantize_x"]
 
@@ -588,15 +588,19 @@ def _rows_i8(code, data, r0, r1, qs, d, s, out):
     nb = qs.shape[0] // 32
     if code == _Q4_1P:
         for r in range(r0, r1):
+            _prefetch_ahead(data, r)
             out[r] = _dot_row_q4_1p_i8(data[r], qs, d, s, nb)
     elif code == _Q4_1:
         for r in range(r0, r1):
+            _prefetch_ahead(data, r)
             out[r] = _dot_row_q4_1_i8(data[r], qs, d, s, nb)
     elif code == _Q8_0:
         for r in range(r0, r1):
+            _prefetch_ahead(data, r)
             out[r] = _dot_row_q8_0_i8(data[r], qs, d, nb)
     else:
         for r in range(r0, r1):
+            _prefetch_ahead(data, r)
             out[r] = _dot_row_q4_0_i8(data[r], qs, d, s, nb)
 
 

@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
+from numba import njit
 import gguf.quants
 
 from npllama import quants
@@ -156,3 +157,23 @@ def test_row_range_kernel(qtype):
         quants._rows_f32(int(qtype), data, r0, r1, x, xsum, out)
         assert np.isnan(out[:r0]).all() and np.isnan(out[r1:]).all()
         assert_close(out[r0:r1], data[r0:r1], qtype, x)
+
+
+def test_prefetch_past_the_end_is_harmless():
+    """The row loops prefetch _PREFETCH_AHEAD bytes past the row they dot, beyond the end of
+    the weight for its last rows: a prefetch there must not fault, and no prefetch changes a
+    byte (here: rows of a 1-row and a 3-row array, ahead by up to a megabyte past the end)."""
+    rng = np.random.default_rng(7)
+    for rows in (1, 3):
+        data = rng.integers(0, 256, (rows, 40), dtype=np.uint8)
+        before = data.copy()
+        for r in range(rows):
+            quants._prefetch_ahead(data, r)
+        _prefetch_bytes(data, 1 << 20)
+        np.testing.assert_array_equal(data, before)
+
+
+@njit
+def _prefetch_bytes(data, end):
+    for i in range(0, end, 64):
+        quants._prefetch(data, i)
