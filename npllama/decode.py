@@ -78,6 +78,10 @@ class DecodePlan:
         self.model = model
         self.eps = np.float32(cfg.rms_eps)
         self.scale = np.float32(1.0 / math.sqrt(cfg.head_dim))
+        # offs[s]:offs[s + 1]: the results of product s of a layer in a row of the shared results
+        self.offs = np.concatenate([[0], np.cumsum(table[0, :, 2])]).astype(np.int64)
+        self._scratch = None  # the steps' working memory, for up to self._scratch_threads threads
+        self._scratch_threads = 0
 
     def _packed_weights(self) -> np.ndarray:
         """One array of every Q4_1 product weight (the layers' and the head's), packed for the
@@ -110,9 +114,32 @@ class DecodePlan:
         logits = np.empty(cfg.n_vocab, np.float32)
         _decode_step(token, pos, chunk, self.buffer, self.packed, self.table, self.attn_norm, self.ffn_norm, self.bq,
                      self.bk, self.bv, bits(cache.buffers()), m.rope.cos, m.rope.sin, m.rope.neox, self.eps,
-                     self.scale, cfg.n_head, m.output_norm, self.int8, logits, threads)
+                     self.scale, cfg.n_head, m.output_norm, self.int8, logits, threads, self.offs,
+                     *self._scratch_for(threads))
         cache.commit(1)
         return logits
+
+    def _scratch_for(self, threads: int) -> tuple:
+        """The step's working memory for `threads` workers, allocated once (again only for
+        more threads): the shared results, the attention chunks' states, the work counters
+        and each worker's private float32 and int8 arrays (see `_private`)."""
+        if threads > self._scratch_threads:
+            cfg = self.model.config
+            G, D, KVH = cfg.n_head // cfg.n_head_kv, cfg.head_dim, cfg.n_head_kv
+            chunks = _TASKS_PER_THREAD * threads  # the most a step splits attention into
+            n_f32, n_i8 = _private_sizes(cfg.n_embd, cfg.n_head * D, int(self.table[0, 4, 2]), KVH, G, D)
+            self._scratch = (
+                np.empty((cfg.n_layer, int(self.offs[-1])), np.float32),              # res
+                np.empty(cfg.n_layer * chunks * KVH * G, np.float32),                 # part_m
+                np.empty(cfg.n_layer * chunks * KVH * G, np.float32),                 # part_l
+                np.empty(cfg.n_layer * chunks * KVH * G * D, np.float32),             # part_acc
+                np.empty(_slot(cfg.n_layer + 1, 0, threads), np.int64),               # ctr
+                np.empty((threads, n_f32), np.float32),
+                np.empty((threads, n_i8), np.int8),
+                np.empty((threads, _STEPS), np.int64),
+            )
+            self._scratch_threads = threads
+        return self._scratch
 
 
 _ITEM_BYTES = 16384  # weight bytes per work item of a product (rows are never split)
@@ -135,12 +162,13 @@ def _prepare(x, int8, xsum, qx, dx, sx):
 
 
 @njit(cache=True)
-def _rows(code, w, r0, r1, x, xsum, qx, dx, sx, int8, out):
-    """out[r] = dot(row r of w, x) for r in r0..r1-1, by the int8 kernel where on and present."""
+def _rows(code, w, r0, r1, x, xsum, qx, dx, sx, int8, row, out):
+    """out[r] = dot(row r of w, x) for r in r0..r1-1, by the int8 kernel where on and present
+    (row: float32 scratch as long as x, for types the float32 kernels dequantize first)."""
     if int8 and _has_i8(code):
         _rows_i8(code, w, r0, r1, qx, dx, sx, out)
     else:
-        _rows_f32(code, w, r0, r1, x, xsum, out)
+        _rows_f32(code, w, r0, r1, x, xsum, row, out)
 
 
 @njit(cache=True)
@@ -151,7 +179,7 @@ def _weight(buffer, packed, entry):
 
 
 @njit(cache=True)
-def _product(ctr, slot, home, nr, code, w, x, xsum, qx, dx, sx, int8, out, pair, code2, w2, out2):
+def _product(ctr, slot, home, nr, code, w, x, xsum, qx, dx, sx, int8, row, out, pair, code2, w2, out2):
     """Take items of ``out = W x`` from the phase at ``slot`` (``nr`` ranges, this thread's
     is ``home``) until none is left, and publish them. Returns the number of items.
 
@@ -168,7 +196,7 @@ def _product(ctr, slot, home, nr, code, w, x, xsum, qx, dx, sx, int8, out, pair,
         r0, r1 = i * per, min(rows, (i + 1) * per)
         for half in range(2 if pair else 1):
             c, wh, o = (code, w, out) if half == 0 else (code2, w2, out2)
-            _rows(c, wh, r0, r1, x, xsum, qx, dx, sx, int8, o)  # one call site: one copy of the kernels
+            _rows(c, wh, r0, r1, x, xsum, qx, dx, sx, int8, row, o)  # one call site: one copy of the kernels
         if pair:
             _swiglu_row(out[r0:r1], out2[r0:r1], out[r0:r1])
         done += 1
@@ -183,9 +211,72 @@ def _slot(li, step, nr):
     return (li * (_STEPS + 1) + step) * phase_size(nr)
 
 
+_LINE = 64  # bytes: each private array starts on a cache line of its own
+
+
+@njit(cache=True)
+def _private_lengths(n_embd, q_dim, n_ff, KVH, G, D):
+    """Lengths of one worker's private arrays, in the order `_private` cuts them: float32
+    (x, h, row, xsum, de, se, da, sa, df, sf, q, k, v, s), int8 (qe, qa, qf)."""
+    width = max(n_embd, q_dim, n_ff)
+    f32 = (n_embd, width, width, width // 32, n_embd // 32, n_embd // 32, q_dim // 32, q_dim // 32,
+           n_ff // 32, n_ff // 32, KVH * G * D, KVH * D, KVH * D, KVH * G * _BLOCK)
+    return f32, (n_embd, q_dim, n_ff)
+
+
+@njit(cache=True)
+def _private_sizes(n_embd, q_dim, n_ff, KVH, G, D):
+    """(float32, int8) elements of one worker's private arrays (`_private`), each rounded up
+    to whole cache lines."""
+    f32, i8 = _private_lengths(n_embd, q_dim, n_ff, KVH, G, D)
+    n_f32 = 0
+    for n in f32:
+        n_f32 += -(-n * 4 // _LINE) * _LINE // 4
+    n_i8 = 0
+    for n in i8:
+        n_i8 += -(-n // _LINE) * _LINE
+    return n_f32, n_i8
+
+
+@njit(cache=True)
+def _cut(arena, at, n):
+    """arena[at:at + n] and the offset of the next whole cache line after it."""
+    line = _LINE // arena.itemsize
+    return arena[at:at + n], at + -(-n // line) * line
+
+
+@njit(cache=True)
+def _private(f32, i8, n_embd, q_dim, n_ff, KVH, G, D):
+    """One worker's private arrays, cut from its rows of the scratch arenas (float32 `f32`,
+    int8 `i8`, sized by `_private_sizes`): the residual stream x, the products' input h, a
+    row to dequantize weights into, h's block sums, the int8 forms (values, block scales,
+    block sums) of the normed x, of the attention output and of the FFN's, the query, key
+    and value, and attention's scores."""
+    n, m = _private_lengths(n_embd, q_dim, n_ff, KVH, G, D)
+    x, at = _cut(f32, 0, n[0])
+    h, at = _cut(f32, at, n[1])
+    row, at = _cut(f32, at, n[2])
+    xsum, at = _cut(f32, at, n[3])
+    de, at = _cut(f32, at, n[4])
+    se, at = _cut(f32, at, n[5])
+    da, at = _cut(f32, at, n[6])
+    sa, at = _cut(f32, at, n[7])
+    df, at = _cut(f32, at, n[8])
+    sf, at = _cut(f32, at, n[9])
+    q, at = _cut(f32, at, n[10])
+    k, at = _cut(f32, at, n[11])
+    v, at = _cut(f32, at, n[12])
+    s, at = _cut(f32, at, n[13])
+    qe, at = _cut(i8, 0, m[0])
+    qa, at = _cut(i8, at, m[1])
+    qf, at = _cut(i8, at, m[2])
+    return (x, h, row, xsum, qe, de, se, qa, da, sa, qf, df, sf, q.reshape(KVH, G, D), k.reshape(KVH, D),
+            v.reshape(KVH, D), s.reshape(KVH, G, _BLOCK))
+
+
 @njit(cache=True)
 def _worker(ctr, home, nr, token, pos, chunk, buffer, packed, table, attn_norm, ffn_norm, bq, bk, bv, kvs, cos, sin,
-            neox, eps, scale, H, out_norm, int8, logits, res, offs, part_m, part_l, part_acc):
+            neox, eps, scale, H, out_norm, int8, logits, res, offs, part_m, part_l, part_acc, f32, i8, n_items):
     """One thread's share of a decode step. Every thread keeps its own copy of the residual
     stream and of the small per-token values (norms, RoPE, quantized activations), computed
     identically from the shared results; the products (the FFN's gate and up together, with
@@ -197,21 +288,9 @@ def _worker(ctr, home, nr, token, pos, chunk, buffer, packed, table, attn_norm, 
     n_layer, n_embd = attn_norm.shape
     KVH, D = kvs.shape[2], kvs.shape[4]
     q_dim, n_ff = H * D, offs[5] - offs[4]
-    width = max(n_embd, q_dim, n_ff)
-    x = np.empty(n_embd, np.float32)            # residual stream
-    h = np.empty(width, np.float32)             # input of the next products
+    x, h, row, xsum, qe, de, se, qa, da, sa, qf, df, sf, q, k, v, s = _private(f32, i8, n_embd, q_dim, n_ff,
+                                                                                KVH, H // KVH, D)
     he, ha, hf = h[:n_embd], h[:q_dim], h[:n_ff]
-    xsum = np.empty(width // 32, np.float32)
-    # int8 forms (values, block scales, block sums) of the products' inputs in int8 mode:
-    # the normed x (n_embd), the attention output (q_dim), the FFN's (n_ff)
-    qe, de, se = np.empty(n_embd, np.int8), np.empty(n_embd // 32, np.float32), np.empty(n_embd // 32, np.float32)
-    qa, da, sa = np.empty(q_dim, np.int8), np.empty(q_dim // 32, np.float32), np.empty(q_dim // 32, np.float32)
-    qf, df, sf = np.empty(n_ff, np.int8), np.empty(n_ff // 32, np.float32), np.empty(n_ff // 32, np.float32)
-    q = np.empty((KVH, H // KVH, D), np.float32)
-    k = np.empty((KVH, D), np.float32)
-    v = np.empty((KVH, D), np.float32)
-    s = np.empty((KVH, H // KVH, _BLOCK), np.float32)
-    n_items = np.zeros(_STEPS, np.int64)
     embd = table[n_layer, 1]
     _deq_row(embd[0], _weight(buffer, packed, embd)[token], x)
     for li in range(n_layer + 1):
@@ -250,7 +329,7 @@ def _worker(ctr, home, nr, token, pos, chunk, buffer, packed, table, attn_norm, 
             else:
                 xin, qx, dx, sx = he, qe, de, se
             n_items[step] = _product(ctr, _slot(li, step, nr), home, nr, entry[0], _weight(buffer, packed, entry),
-                                     xin, xsum, qx, dx, sx, int8, out, li < n_layer and step == 4, up[0],
+                                     xin, xsum, qx, dx, sx, int8, row, out, li < n_layer and step == 4, up[0],
                                      _weight(buffer, packed, up), out_up)
         if li < n_layer:
             _wait(ctr, _slot(li, 6, nr), nr, n_items[6])
@@ -304,22 +383,28 @@ def _attention(ctr, home, nr, li, pos, chunk, res, offs, n_items, q, k, v, bq, b
 
 @njit(parallel=True, cache=True)
 def _decode_step(token, pos, chunk, buffer, packed, table, attn_norm, ffn_norm, bq, bk, bv, kvs, cos, sin, neox, eps,
-                 scale, H, out_norm, int8, logits, n_threads):
+                 scale, H, out_norm, int8, logits, n_threads, offs, res, part_m, part_l, part_acc, ctr, f32, i8,
+                 n_items):
     """One token through every layer in one parallel region: each thread runs `_worker`, and
-    the products and attention are shared out as work items (see npllama.workshare)."""
+    the products and attention are shared out as work items (see npllama.workshare).
+
+    offs: where each product's results sit in a row of res (`DecodePlan.offs`). The working
+    memory is the caller's (`DecodePlan._scratch_for`), reused from step to step: res
+    (n_layer, offs[-1]), the shared results, one set per layer (a fast
+    thread may run layers ahead of one still reading the previous layer's results); part_m,
+    part_l and part_acc, room for the attention chunks' states (flat: at least n_layer x
+    n_chunks x KVH x G, x D for part_acc); ctr, the work counters (zeroed here); f32, i8 and
+    n_items, one row per thread."""
     n_layer = attn_norm.shape[0]
     KVH, D = kvs.shape[2], kvs.shape[4]
+    G = H // KVH
     n_chunks = max(1, (pos + chunk) // chunk)
-    # the shared results, one set per layer: a fast thread may run layers ahead of one still
-    # reading the previous layer's results
-    offs = np.zeros(_STEPS + 1, np.int64)
-    for step in range(_STEPS):
-        offs[step + 1] = offs[step] + table[0, step, 2]
-    res = np.empty((n_layer, offs[_STEPS]), np.float32)
-    part_m = np.empty((n_layer, n_chunks, KVH, H // KVH), np.float32)
-    part_l = np.empty((n_layer, n_chunks, KVH, H // KVH), np.float32)
-    part_acc = np.empty((n_layer, n_chunks, KVH, H // KVH, D), np.float32)
-    ctr = np.zeros(_slot(n_layer + 1, 0, n_threads), np.int64)
+    n_part = n_layer * n_chunks * KVH * G
+    pm = part_m[:n_part].reshape(n_layer, n_chunks, KVH, G)
+    pl = part_l[:n_part].reshape(n_layer, n_chunks, KVH, G)
+    pa = part_acc[:n_part * D].reshape(n_layer, n_chunks, KVH, G, D)
+    ctr[:_slot(n_layer + 1, 0, n_threads)] = 0
     for home in prange(n_threads):
         _worker(ctr, home, n_threads, token, pos, chunk, buffer, packed, table, attn_norm, ffn_norm, bq, bk, bv, kvs,
-                cos, sin, neox, eps, scale, H, out_norm, int8, logits, res, offs, part_m, part_l, part_acc)
+                cos, sin, neox, eps, scale, H, out_norm, int8, logits, res, offs, pm, pl, pa, f32[home], i8[home],
+                n_items[home])

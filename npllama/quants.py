@@ -16,11 +16,12 @@ Njit level, for fused kernels (C-contiguous arrays and scalars only; they never 
 * ``_deq_row(code, src, dst)`` and ``_deq_row_<type>(src, dst)``: dequantize one row
   (``src`` uint8, ``dst`` float32).
 * ``_dequantize_rows(code, src2d, dst2d)``: row-parallel dequantization.
-* ``_rows_f32(code, data, r0, r1, x, xsum, out)``: ``out[r] = dot(row r of data,
+* ``_rows_f32(code, data, r0, r1, x, xsum, row, out)``: ``out[r] = dot(row r of data,
   x)`` for rows r0..r1-1 on the calling thread (the fused decode step's work items), with
   ``_block_sums(x, xsum)`` computed once per x; built on the single-row dots
   ``_dot_row_q8_0(row, x, nb)``, ``_dot_row_q4_0(row, x, nb)`` and
-  ``_dot_row_q4_1(row, x, xsum, nb)``, other types dequantizing each row first.
+  ``_dot_row_q4_1(row, x, xsum, nb)``, other types dequantizing each row into the
+  caller's float32 ``row`` (at least as long as x) first.
 * ``_matvec(code, data, x, out)``: the same product for all rows, row-parallel.
 * ``_prefetch_ahead(data, r)``: the row loops' software prefetch of the weight bytes a
   little past row r (``_prefetch(data, i)`` beneath: a hint, valid past the end).
@@ -641,11 +642,18 @@ def _block_sums(x, xsum):
         xsum[b] = s
 
 
+@njit(cache=True)
+def _row_dot_missing(code):
+    """Whether ``_rows_f32`` dequantizes rows of type ``code`` into its ``row`` buffer (no
+    direct row dot)."""
+    return not (code == _Q4_1 or code == _Q8_0 or code == _Q4_0)
+
+
 @njit(cache=True, fastmath=_FAST)
-def _rows_f32(code, data, r0, r1, x, xsum, out):
+def _rows_f32(code, data, r0, r1, x, xsum, row, out):
     """out[r] = dot(row r of ``data``, x) for r in r0..r1-1, on the calling thread. ``xsum``:
-    ``_block_sums(x)`` (read for Q4_1). Types without a direct dot dequantize each row into a
-    buffer first."""
+    ``_block_sums(x)`` (read for Q4_1). Types without a direct dot dequantize each row into
+    ``row`` (float32, at least as long as x) first."""
     nb = x.shape[0] // 32
     if code == _Q4_1:
         for r in range(r0, r1):
@@ -660,7 +668,7 @@ def _rows_f32(code, data, r0, r1, x, xsum, out):
             _prefetch_ahead(data, r)
             out[r] = _dot_row_q4_0(data[r], x, nb)
     else:
-        row = np.empty(x.shape[0], np.float32)
+        row = row[:x.shape[0]]
         for r in range(r0, r1):
             _prefetch_ahead(data, r)
             _deq_row(code, data[r], row)
@@ -689,7 +697,8 @@ def _matvec(code, data, x, out):
     _block_sums(x, xsum)
     per = _task_rows(rows)
     for c in prange((rows + per - 1) // per):
-        _rows_f32(code, data, c * per, min(rows, (c + 1) * per), x, xsum, out)
+        row = np.empty(x.shape[0] if _row_dot_missing(code) else 0, np.float32)
+        _rows_f32(code, data, c * per, min(rows, (c + 1) * per), x, xsum, row, out)
 
 
 # ---------------------------------------------------------------------------------------

@@ -102,6 +102,31 @@ def test_int8_activations_decode_is_close(tmp_path, qtype):
         npllama.Model(path, activations="int4")
 
 
+@pytest.mark.parametrize("activations", ["f32", "int8"])
+def test_decode_scratch_is_reused_and_needs_no_clearing(tmp_path, activations):
+    """The fused step's working memory is allocated once per plan (again only for more
+    threads) and reused: filled with garbage before every step, it gives the same logits
+    as fresh memory; threads=1 after threads=2 keeps the larger scratch."""
+    from npllama.decode import DecodePlan
+    path = write_tiny_llama(tmp_path / "m.gguf", qtype=QT.Q4_1, n_embd=96, n_head=6, n_head_kv=2, n_ff=128)
+    m = npllama.Model(path, activations=activations)
+    ids = [(7 * i) % 250 for i in range(70)]  # up to 8 attention chunks per step
+    threads = [2 if i % 3 else 1 for i in range(len(ids))]
+    cache = m.new_cache()
+    want = np.stack([DecodePlan(m, int8=activations == "int8").step(t, i, cache, threads[i])  # fresh memory
+                     for i, t in enumerate(ids)])
+    plan, cache = DecodePlan(m, int8=activations == "int8"), m.new_cache()
+    got = []
+    for i, t in enumerate(ids):
+        for a in plan._scratch or ():
+            a[...] = -1 if a.dtype.kind in "iu" else np.nan
+        got.append(plan.step(t, i, cache, threads[i]))
+    np.testing.assert_array_equal(np.stack(got), want)
+    first = plan._scratch
+    plan.step(5, len(ids), cache, 1)
+    assert plan._scratch is first and plan._scratch_threads == 2
+
+
 def test_int8_plan_packs_q4_1(tmp_path):
     """In int8 mode the decode step reads every Q4_1 product weight from one packed copy
     (quants_int8.pack_q4_1 of the file's rows); other weights and the embedding lookup read

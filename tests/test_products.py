@@ -154,7 +154,7 @@ def test_row_range_kernel(qtype):
     quants._block_sums(x, xsum)
     for r0, r1 in ((0, 1), (8, 9), (2, 7), (0, 9)):
         out = np.full(9, np.nan, np.float32)
-        quants._rows_f32(int(qtype), data, r0, r1, x, xsum, out)
+        quants._rows_f32(int(qtype), data, r0, r1, x, xsum, np.empty(n, np.float32), out)
         assert np.isnan(out[:r0]).all() and np.isnan(out[r1:]).all()
         assert_close(out[r0:r1], data[r0:r1], qtype, x)
 
