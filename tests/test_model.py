@@ -110,7 +110,7 @@ def test_decode_scratch_is_reused_and_needs_no_clearing(tmp_path, activations):
     from npllama.decode import DecodePlan
     path = write_tiny_llama(tmp_path / "m.gguf", qtype=QT.Q4_1, n_embd=96, n_head=6, n_head_kv=2, n_ff=128)
     m = npllama.Model(path, activations=activations)
-    ids = [(7 * i) % 250 for i in range(70)]  # up to 8 attention chunks per step
+    ids = [(7 * i) % 250 for i in range(70)]  # up to 4 attention chunks per step
     threads = [2 if i % 3 else 1 for i in range(len(ids))]
     cache = m.new_cache()
     want = np.stack([DecodePlan(m, int8=activations == "int8").step(t, i, cache, threads[i])  # fresh memory
