@@ -19,6 +19,7 @@ the KV cache's array; the caller commits them afterwards.
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 from numba import njit, prange
@@ -87,6 +88,9 @@ class DecodePlan:
         self.offs = np.concatenate([[0], np.cumsum(table[0, :, 2])]).astype(np.int64)
         self._scratch = None  # the steps' working memory, for up to self._scratch_threads threads
         self._scratch_threads = 0
+        # steps from several Python threads take turns (the parallel region runs without the
+        # GIL, and every step uses all the threads it is given anyway)
+        self._lock = threading.Lock()
 
     def _packed_weights(self) -> np.ndarray:
         """One array of every Q4_1 product weight (the layers' and the head's), packed for the
@@ -117,10 +121,11 @@ class DecodePlan:
         n_chunks = max(1, min(_CHUNKS_PER_THREAD * threads, (pos + 1) // (_BLOCK // 2)))
         chunk = -(-(pos + 1) // n_chunks)
         logits = np.empty(cfg.n_vocab, np.float32)
-        _decode_step(token, pos, chunk, self.buffer, self.packed, self.table, self.attn_norm, self.ffn_norm, self.bq,
-                     self.bk, self.bv, bits(cache.buffers()), m.rope.cos, m.rope.sin, m.rope.neox, self.eps,
-                     self.scale, cfg.n_head, m.output_norm, self.int8, logits, threads, self.offs,
-                     *self._scratch_for(threads))
+        with self._lock:  # the steps of a model's sessions share its working memory
+            _decode_step(token, pos, chunk, self.buffer, self.packed, self.table, self.attn_norm, self.ffn_norm,
+                         self.bq, self.bk, self.bv, bits(cache.buffers()), m.rope.cos, m.rope.sin, m.rope.neox,
+                         self.eps, self.scale, cfg.n_head, m.output_norm, self.int8, logits, threads, self.offs,
+                         *self._scratch_for(threads))
         cache.commit(1)
         return logits
 

@@ -127,6 +127,33 @@ def test_decode_scratch_is_reused_and_needs_no_clearing(tmp_path, activations):
     assert plan._scratch is first and plan._scratch_threads == 2
 
 
+def test_sessions_decode_from_several_threads(tmp_path):
+    """Sessions of one model decoding at once from several Python threads (their steps share
+    the plan's working memory, and the parallel region runs without the GIL) get the logits
+    they get one after another."""
+    import threading
+    path = write_tiny_llama(tmp_path / "m.gguf", qtype=QT.Q8_0, n_embd=128, n_ff=256, n_layer=4)
+    m = npllama.Model(path)
+    streams = [[(31 * k + 7 * i) % 250 for i in range(60)] for k in range(4)]
+
+    def decode(ids):
+        s = m.session()
+        return np.stack([s.feed([t]) for t in ids])
+
+    want = [decode(ids) for ids in streams]
+    got = [None] * len(streams)
+
+    def work(k):
+        got[k] = decode(streams[k])
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(len(streams))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
 def test_int8_plan_packs_q4_1(tmp_path):
     """In int8 mode the decode step reads every Q4_1 product weight from one packed copy
     (quants_int8.pack_q4_1 of the file's rows); other weights and the embedding lookup read
