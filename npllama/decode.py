@@ -137,7 +137,8 @@ class DecodePlan:
             cfg = self.model.config
             G, D, KVH = cfg.n_head // cfg.n_head_kv, cfg.head_dim, cfg.n_head_kv
             chunks = _CHUNKS_PER_THREAD * threads  # the most a step splits attention into
-            n_f32, n_i8 = _private_sizes(cfg.n_embd, cfg.n_head * D, int(self.table[0, 4, 2]), KVH, G, D)
+            n_ff = int(self.table[0, 4, 2])  # the gate product's rows
+            n_f32, n_i8 = _private_sizes(cfg.n_embd, cfg.n_head * D, n_ff, KVH, G, D)
             self._scratch = (
                 np.empty((cfg.n_layer, int(self.offs[-1])), np.float32),              # res
                 np.empty(cfg.n_layer * chunks * KVH * G, np.float32),                 # part_m
@@ -400,11 +401,11 @@ def _decode_step(token, pos, chunk, buffer, packed, table, attn_norm, ffn_norm, 
 
     offs: where each product's results sit in a row of res (`DecodePlan.offs`). The working
     memory is the caller's (`DecodePlan._scratch_for`), reused from step to step: res
-    (n_layer, offs[-1]), the shared results, one set per layer (a fast
-    thread may run layers ahead of one still reading the previous layer's results); part_m,
-    part_l and part_acc, room for the attention chunks' states (flat: at least n_layer x
-    n_chunks x KVH x G, x D for part_acc); ctr, the work counters (zeroed here); f32, i8 and
-    n_items, one row per thread."""
+    (n_layer, offs[-1]), the shared results, one set per layer (a fast thread may run layers
+    ahead of one still reading the previous layer's results); part_m, part_l and part_acc,
+    room for the attention chunks' states (flat: at least n_layer x n_chunks x KVH x G, x D
+    for part_acc); ctr, the work counters (zeroed here); f32, i8 and n_items, one row per
+    thread."""
     n_layer = attn_norm.shape[0]
     KVH, D = kvs.shape[2], kvs.shape[4]
     G = H // KVH

@@ -598,8 +598,8 @@ def _dot_row_q4_1(typingctx, row, x, xsum, nb):
 @intrinsic
 def _prefetch(typingctx, data, i):
     """Ask the CPU to bring the cache line of byte ``i`` of the C-contiguous uint8 array
-    ``data`` (any shape) into its caches (llvm.prefetch: read, highest locality). A prefetch never faults
-    and changes no value, so ``i`` may lie past the end of ``data``."""
+    ``data`` (any shape) into its caches (llvm.prefetch: read, highest locality). A prefetch
+    never faults and changes no value, so ``i`` may lie past the end of ``data``."""
     if not (isinstance(data, types.Array) and data.layout == "C" and data.dtype == types.uint8
             and isinstance(i, types.Integer)):
         return None
