@@ -145,11 +145,12 @@ def test_sessions_decode_from_several_threads(tmp_path):
 
     def work(k):
         got[k] = decode(streams[k])
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(len(streams))]
+    threads = [threading.Thread(target=work, args=(k,), daemon=True) for k in range(len(streams))]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=120)  # steps that raced on shared counters would spin forever
+    assert not any(t.is_alive() for t in threads), "concurrent decode steps did not finish"
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
 
