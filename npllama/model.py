@@ -88,7 +88,8 @@ class Model:
     """A loaded GGUF model. Cheap to create: weights stay memory-mapped until used.
 
     Thread safety: the weights are read-only and every Session owns its own cache, so several
-    threads may each drive their own session (or call generate/score/...) on one Model at once.
+    threads may each drive their own session (or call generate/score/...) on one Model at once;
+    their single-token decode steps take turns (they share the fused step's working memory).
     A single Session must not be used from two threads at the same time.
     """
 
