@@ -102,6 +102,12 @@ def _ir_i32(v):
     return ir.Constant(_I32, v)
 
 
+def _ir_call(builder, name, ret, args):
+    """Call the function (an LLVM intrinsic) ``name`` returning ``ret`` on ``args``."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
 def _ir_as_i32(builder, h):
     """An integer value truncated or zero-extended to i32 (float16 bits sit in its low 16)."""
     if h.type.width > 32:
@@ -607,9 +613,7 @@ def _prefetch(typingctx, data, i):
     def codegen(context, builder, sig, args):
         base = context.make_array(sig.args[0])(context, builder, args[0]).data
         at = builder.gep(base, [context.cast(builder, args[1], sig.args[1], types.intp)])
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [at.type, _I32, _I32, _I32]), "llvm.prefetch.p0i8")
-        builder.call(fn, [at, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        _ir_call(builder, "llvm.prefetch.p0i8", ir.VoidType(), [at, _ir_i32(0), _ir_i32(3), _ir_i32(1)])
         return context.get_dummy_value()
 
     return types.none(data, i), codegen
@@ -640,13 +644,6 @@ def _block_sums(x, xsum):
         for j in range(32):
             s += x[b * 32 + j]
         xsum[b] = s
-
-
-@njit(cache=True)
-def _row_dot_missing(code):
-    """Whether ``_rows_f32`` dequantizes rows of type ``code`` into its ``row`` buffer (no
-    direct row dot)."""
-    return not (code == _Q4_1 or code == _Q8_0 or code == _Q4_0)
 
 
 @njit(cache=True, fastmath=_FAST)
@@ -697,7 +694,7 @@ def _matvec(code, data, x, out):
     _block_sums(x, xsum)
     per = _task_rows(rows)
     for c in prange((rows + per - 1) // per):
-        row = np.empty(x.shape[0] if _row_dot_missing(code) else 0, np.float32)
+        row = np.empty(x.shape[0], np.float32)  # read only by types without a direct row dot
         _rows_f32(code, data, c * per, min(rows, (c + 1) * per), x, xsum, row, out)
 
 

@@ -60,7 +60,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .quants import (_F32T, _FAST_FLAGS, _HW_F16, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q8_0,
-                     _ir_accumulate, _ir_f16_exact, _ir_hsum, _ir_i32, _ir_load, _ir_splat, _ir_vec_zero,
+                     _ir_accumulate, _ir_call, _ir_f16_exact, _ir_hsum, _ir_i32, _ir_load, _ir_splat, _ir_vec_zero,
                      _is_c_array, _matvec, _prefetch_ahead, _product_args, _task_rows)
 
 __all__ = ["DOT_ISA", "INT8_TYPES", "VNNI", "matmul_int8", "pack_q4_1", "quantize_x"]
@@ -111,11 +111,6 @@ def _const_vec(ty, n, v):
 
 def _shuffle(builder, a, b, idx):
     return builder.shuffle_vector(a, b, ir.Constant(_vec(_I32, len(idx)), idx))
-
-
-def _ir_call(builder, name, ret, args):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
-    return builder.call(fn, args)
 
 
 def _ir_opaque(builder, v):
