@@ -247,6 +247,9 @@ class Model:
             return logits.reshape(1, -1) if all_logits else logits
         with using_threads(threads):
             try:
+                # room for the whole prompt at once: growing chunk by chunk would copy the
+                # filled cache at each doubling and hold the old and the new buffer together
+                cache.ensure_capacity(pos + len(ids))
                 positions = np.arange(pos, pos + len(ids), dtype=np.int64)
                 # long prompts run in chunks, which bounds the activations' memory
                 outs = [self._forward(ids[i:i + PREFILL_CHUNK], positions[i:i + PREFILL_CHUNK], cache,

@@ -159,3 +159,17 @@ def test_long_prompt_runs_in_chunks_with_the_same_result(model, monkeypatch):
     np.testing.assert_allclose(model.session().feed(ids), whole[-1], rtol=1e-4, atol=1e-5)
     hidden = model.forward(ids, 0, model.new_cache(), output="hidden")
     assert hidden.shape == (23, model.config.n_embd)
+
+
+def test_long_prompt_allocates_the_cache_once(model, monkeypatch):
+    import npllama.model as mm
+    from npllama.kvcache import KVCache
+    monkeypatch.setattr(mm, "PREFILL_CHUNK", 5)
+    sizes = []
+    real = KVCache._alloc
+    monkeypatch.setattr(KVCache, "_alloc", lambda self, capacity: sizes.append(capacity) or real(self, capacity))
+    s = model.session()
+    s.feed([1] * 23)
+    assert sizes == [0, 32]  # the empty cache, then one buffer for the 23 tokens (no doubling per chunk)
+    s.feed([2] * 9)          # room left: nothing allocated
+    assert sizes == [0, 32] and s.cache.capacity == 32
