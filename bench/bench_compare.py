@@ -5,7 +5,9 @@ ratios to llama.cpp. Never a pass/fail test.
     python bench/bench_compare.py [--model PATH] [--quant q8_0] [--threads 2] [--rounds 3]
 
 npllama runs twice: the default exact mode, and the opt-in int8-activation mode (npllama-int8,
-with its default float16 KV cache; llama.cpp stores its cache in float16 too).
+with its default float16 KV cache; llama.cpp stores its cache in float16 too). A third mode
+can be asked for with --engines: npllama-f16kv, the exact products with a float16 KV cache
+(the same cache bytes as llama.cpp's, which is what long prompts spend their time reading).
 
 The references run in their own python (the venv of ../shared/tools/setup-refs.sh, or
 $NPLLAMA_REF_PY); each is skipped with a note when it is not installed there.
@@ -75,11 +77,15 @@ def run_ref(py, engine, path, ids, gen, threads, repeats):
     return json.loads(r.stdout.strip().splitlines()[-1]), None
 
 
-def run_npllama(path, ids, gen, threads, repeats, activations="f32"):
+# npllama's modes: engine name -> (activations, KV cache dtype; None: the mode's default)
+MODES = {"npllama": ("f32", None), "npllama-int8": ("int8", None), "npllama-f16kv": ("f32", "float16")}
+
+
+def run_npllama(path, ids, gen, threads, repeats, activations="f32", kv_dtype=None):
     import npllama
     from npllama.bench import run_bench
     t0 = time.perf_counter()
-    model = npllama.Model(path, threads=threads, activations=activations)
+    model = npllama.Model(path, threads=threads, activations=activations, kv_dtype=kv_dtype)
     load_s = time.perf_counter() - t0
     r = run_bench(model, ids=ids, gen_tokens=gen, repeats=repeats)
     return {"prefill": r["prefill_tok_s"], "decode": r["decode_tok_s"], "load_s": load_s,
@@ -97,8 +103,13 @@ def main():
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every engine this many times, in turn, keeping each one's best (this "
                          "machine's speed drifts over minutes; alternating keeps the ratios fair)")
-    ap.add_argument("--engines", default="npllama,npllama-int8,llama.cpp,transformers")
+    ap.add_argument("--engines", default="npllama,npllama-int8,llama.cpp,transformers",
+                    help="comma-separated, from npllama, npllama-int8, npllama-f16kv, llama.cpp, transformers")
     args = ap.parse_args()
+    engines = args.engines.split(",")
+    known = [*MODES, "llama.cpp", "transformers"]
+    if unknown := [e for e in engines if e not in known]:
+        ap.error(f"unknown engine(s) {', '.join(unknown)}; the engines are {', '.join(known)}")
 
     from npllama.hub import resolve_model
     path = resolve_model(args.model)
@@ -108,14 +119,12 @@ def main():
         from requant import requantize
         path = requantize(path, Path(tmp.name) / f"model-{args.quant}.gguf", QT[args.quant.upper()])
     ids = [int(i) for i in np.random.default_rng(0).integers(100, 40000, args.prompt)]
-    engines = args.engines.split(",")
     results, notes = {}, []
     py = ref_python()
     for _ in range(args.rounds):
         for engine in engines:
-            if engine in ("npllama", "npllama-int8"):
-                res = run_npllama(path, ids, args.gen, args.threads, args.repeats,
-                                  "int8" if engine == "npllama-int8" else "f32")
+            if engine in MODES:
+                res = run_npllama(path, ids, args.gen, args.threads, args.repeats, *MODES[engine])
             elif py is None:
                 res, err = None, "no references' python; run ../shared/tools/setup-refs.sh"
             else:
@@ -137,7 +146,7 @@ def main():
         pr = f"{r['prefill'] / anchor['prefill']:.2f}x" if anchor else "-"
         dr = f"{r['decode'] / anchor['decode']:.2f}x" if anchor else "-"
         print(f"{engine:<14}{r['prefill']:>15.1f}{r['decode']:>14.1f}{pr:>15}{dr:>14}")
-    for engine in ("npllama", "npllama-int8"):
+    for engine in MODES:
         if engine in results:
             r = results[engine]
             print(f"{engine} load {r['load_s']:.2f} s, first call {r['first_call_s']:.2f} s (compile or cache load)")

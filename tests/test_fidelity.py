@@ -100,12 +100,9 @@ def test_greedy_follows_reference_as_long_as_llama_cpp(variant):
         assert agree(ours) >= agree(g["llama_cpp"])
 
 
-@pytest.mark.parametrize("name", ["q4_1", "q8_0"])
-def test_int8_decode_fidelity(name, variant_path):
-    """The opt-in int8-activation mode, token by token through the decode path: top-1 agreement
-    with HF float32 is reported and must stay at least where llama.cpp's is (95-99%)."""
-    fix = np.load(FIX / f"fidelity_{name}.npz")
-    model = npllama.Model(variant_path(name), activations="int8")
+def _decode_top1_agreement(model, fix):
+    """Top-1 agreement with HF float32 of `model` fed the fixture's texts token by token
+    (through the decode step): (agreeing positions, positions)."""
     agree = total = 0
     for text in _texts(fix):
         ids = fix[f"{text}/ids"]
@@ -113,5 +110,23 @@ def test_int8_decode_fidelity(name, variant_path):
         top1 = [int(np.argmax(s.feed([t]))) for t in ids]
         agree += int((np.array(top1) == fix[f"{text}/top_ids"][:, 0]).sum())
         total += len(ids)
+    return agree, total
+
+
+def test_float16_cache_keeps_exact_mode_fidelity(variant_path):
+    """Exact products with a float16 KV cache (`kv_dtype="float16"`, half the bytes a long
+    context reads per token): top-1 agreement with HF float32 stays at the exact mode's 99%."""
+    agree, total = _decode_top1_agreement(npllama.Model(variant_path("q4_1"), kv_dtype="float16"),
+                                          np.load(FIX / "fidelity_q4_1.npz"))
+    print(f"\nexact products, float16 KV: top-1 agreement with HF float32 {agree}/{total} = {agree / total:.2%}")
+    assert agree / total >= 0.99
+
+
+@pytest.mark.parametrize("name", ["q4_1", "q8_0"])
+def test_int8_decode_fidelity(name, variant_path):
+    """The opt-in int8-activation mode, token by token through the decode path: top-1 agreement
+    with HF float32 is reported and must stay at least where llama.cpp's is (95-99%)."""
+    agree, total = _decode_top1_agreement(npllama.Model(variant_path(name), activations="int8"),
+                                          np.load(FIX / f"fidelity_{name}.npz"))
     print(f"\nint8 activations, {name}: top-1 agreement with HF float32 {agree}/{total} = {agree / total:.2%}")
     assert agree / total >= 0.95
