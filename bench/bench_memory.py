@@ -5,7 +5,9 @@
 Prints peak RSS (which counts the memory-mapped weights once they are read), the model file
 size, the KV cache size, the runtime's own footprint (Python, NumPy, Numba and its LLVM JIT,
 measured before the model is touched), and what is left over (with ``--activations int8``, it
-includes the decode step's packed copy of the Q4_1 weights). Never a pass/fail test.
+includes the decode step's packed copy of the Q4_1 weights), then what the runtime is made
+of: LLVM's shared library, and whether Numba imported SciPy (it does at its first compile or
+cache load when SciPy is installed, for BLAS). Never a pass/fail test.
 """
 import argparse
 import os
@@ -23,6 +25,18 @@ def rss_mib() -> float:
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def mapped_mib(name: str) -> float:
+    """Resident MiB of the mappings of files whose path contains ``name`` (Linux smaps)."""
+    kib, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        first = line.split(maxsplit=1)[0]
+        if "-" in first and not first.endswith(":"):  # a mapping's header line
+            inside = name in line
+        elif inside and first == "Rss:":
+            kib += int(line.split()[1])
+    return kib / 1024
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4096)
@@ -33,7 +47,7 @@ def main():
     import npllama
     from npllama import quants
     quants.dequantize(np.zeros((1, 34), np.uint8), 8)  # start Numba's JIT: part of the runtime
-    runtime = rss_mib()
+    runtime, llvm, scipy = rss_mib(), mapped_mib("libllvmlite"), "scipy" in sys.modules
     m = npllama.load(args.model, kv_dtype=args.kv_dtype, activations=args.activations)
     s = m.session()
     ids = np.random.default_rng(0).integers(100, m.config.n_vocab - 100, args.tokens)
@@ -47,6 +61,8 @@ def main():
     print(f"{args.tokens}-token session ({dt:.1f} s): peak RSS {peak:.0f} MiB = model file {file_mib:.0f} "
           f"+ KV cache {kv:.0f} ({s.cache.dtype}, capacity {s.cache.capacity}) + runtime {runtime:.0f} "
           f"+ other {peak - file_mib - kv - runtime:.0f} MiB")
+    print(f"runtime: LLVM's library {llvm:.0f} MiB resident; Numba imported SciPy for its BLAS bindings: "
+          f"{'yes' if scipy else 'no (not installed)'}")
 
 
 if __name__ == "__main__":
