@@ -62,7 +62,7 @@ def main():
           f"+ KV cache {kv:.0f} ({s.cache.dtype}, capacity {s.cache.capacity}) + runtime {runtime:.0f} "
           f"+ other {peak - file_mib - kv - runtime:.0f} MiB")
     print(f"runtime: LLVM's library {llvm:.0f} MiB resident; Numba imported SciPy for its BLAS bindings: "
-          f"{'yes' if scipy else 'no (not installed)'}")
+          f"{'yes' if scipy else 'no'}")
 
 
 if __name__ == "__main__":
