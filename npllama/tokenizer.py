@@ -1,15 +1,23 @@
 """Text <-> token ids for GGUF models, built on the HF `tokenizers` library.
 
-Two vocabulary families are supported, chosen by the metadata key `tokenizer.ggml.model`:
+Three vocabulary kinds are supported, chosen by the metadata key `tokenizer.ggml.model`:
 
-* ``"gpt2"``: byte-level BPE (SmolLM2, Qwen2, Llama 3, GPT-2). The vocabulary and merges come
-  from the file; the pre-tokenizer (how text is split before BPE) is chosen by
-  `tokenizer.ggml.pre`, mirroring the original HF ``tokenizer.json`` of each family.
-* ``"llama"``: SentencePiece-style BPE (Llama 2, TinyLlama, Gemma). Pieces are merged by score,
+* ``"gpt2"``: byte-level BPE (SmolLM2/3, Qwen2/3, Llama 3, DeepSeek, Falcon, Command-R, GPT-2).
+  The vocabulary and merges come from the file; the pre-tokenizer (how text is split before BPE)
+  is chosen by `tokenizer.ggml.pre`, mirroring the original HF ``tokenizer.json`` of each family
+  (`_PRE` lists the values npllama knows; others are refused).
+* ``"llama"``: SentencePiece-style BPE (Llama 2, Phi-3, Gemma 3). Pieces are merged by score,
   as SentencePiece and llama.cpp do: the BPE merge list is derived from the vocabulary, each
   split ``left + right`` of a piece ranked by that piece's score. Spaces become ``▁``, characters
   outside the vocabulary fall back to ``<0xNN>`` byte tokens, and a leading space is added to
-  each text segment when `tokenizer.ggml.add_space_prefix` says so.
+  each text segment when `tokenizer.ggml.add_space_prefix` says so (Gemma 3 says not).
+* ``"gemma4"``: BPE with the file's merges on UTF-8 text whose spaces become ``▁``, with byte
+  fallback and no leading space.
+
+Every vocabulary is checked when it is built: the token, type and score arrays must agree in
+length, token texts must be unique valid text, types must lie in 1..6, and every merge must name
+two tokens whose concatenation is a token. Anything else is a GGUFError naming the key and entry.
+llama.cpp's own tokenizer test vectors check each supported kind (tests/llama_vocabs.py).
 
 Token types follow GGUF: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
 Control tokens (``<|im_start|>``, ``<start_of_turn>``...) are recognised in text only with
@@ -22,14 +30,17 @@ import codecs
 import operator
 import re
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from tokenizers import AddedToken, Regex
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import models, normalizers, pre_tokenizers
 
 from .chat import format_chat
+from .errors import GGUFError
 
 __all__ = ["Tokenizer", "StreamDecoder", "TOKEN_NORMAL", "TOKEN_UNKNOWN", "TOKEN_CONTROL",
            "TOKEN_USER_DEFINED", "TOKEN_UNUSED", "TOKEN_BYTE"]
@@ -42,16 +53,78 @@ _LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}
                    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                   r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3.5: as Qwen2, with combining marks (\p{M}) kept inside words.
+_QWEN35_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                   r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# DeepSeek's tokenizer.json files split with a sequence of patterns, each isolating its matches.
+_CJK_RUN = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"  # CJK ideographs and Hangul (as listed there)
+# DeepSeek LLM's "letters": the cased letters (Unicode Lu, Ll, Lt) as its tokenizer.json enumerates them.
+_DEEPSEEK_CASED = (
+    "A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293\u0295-\u02af"
+    "\u0370-\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c\u038e-\u03a1\u03a3-\u03f5"
+    "\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-\u13f5\u13f8-\u13fd\u1c90-\u1cba"
+    "\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45"
+    "\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe"
+    "\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc"
+    "\u2102\u2107\u210a-\u2113\u2115\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134"
+    "\u2139\u213c-\u213f\u2145-\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee"
+    "\u2cf2\u2cf3\ua640-\ua66d\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf"
+    "\ufb00-\ufb06\ufb13-\ufb17\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3"
+    "\U000104d8-\U000104fb\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-\U000118df"
+    "\U0001e900-\U0001e943")
+_DEEPSEEK_LLM_SPLITS = ("[\r\n]", "\\s?[" + _DEEPSEEK_CASED + "]+",
+                        "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+", r"\s+$", _CJK_RUN)
+_DEEPSEEK_CODER_SPLITS = ("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK_RUN)
 
-# `tokenizer.ggml.pre` value -> pre-tokenizer family.
-_PRE_FAMILIES = {
-    "default": "gpt2", "gpt2": "gpt2", "gpt-2": "gpt2", "phi-2": "gpt2", "olmo": "gpt2", "mpt": "gpt2",
-    "smollm": "digits", "starcoder": "digits", "refact": "digits", "codeshell": "digits",
-    "llama3": "llama3", "llama-v3": "llama3", "llama-bpe": "llama3", "falcon3": "llama3",
-    "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2",
+
+def _isolate(*patterns: str) -> list[pre_tokenizers.PreTokenizer]:
+    return [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in patterns]
+
+
+def _byte_level(use_regex: bool) -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=use_regex)
+
+
+# How each family splits text before byte-level BPE, as the original HF tokenizer.json builds it.
+_SPLITTERS: dict[str, Callable[[], list[pre_tokenizers.PreTokenizer]]] = {
+    "gpt2": lambda: [_byte_level(True)],
+    "digits": lambda: [pre_tokenizers.Digits(individual_digits=True), _byte_level(True)],
+    "llama3": lambda: [*_isolate(_LLAMA3_PATTERN), _byte_level(False)],
+    "qwen2": lambda: [*_isolate(_QWEN2_PATTERN), _byte_level(False)],
+    "qwen35": lambda: [*_isolate(_QWEN35_PATTERN), _byte_level(False)],
+    "deepseek-llm": lambda: [*_isolate(*_DEEPSEEK_LLM_SPLITS), pre_tokenizers.Digits(individual_digits=False),
+                             _byte_level(False)],
+    "deepseek-coder": lambda: [*_isolate(*_DEEPSEEK_CODER_SPLITS), pre_tokenizers.Digits(individual_digits=True),
+                               _byte_level(False)],
+    "falcon": lambda: [pre_tokenizers.Punctuation("contiguous"), _byte_level(True),
+                       pre_tokenizers.Digits(individual_digits=False), *_isolate("[0-9][0-9][0-9]")],
 }
-# Families whose vocabulary adds BOS by default (llama.cpp's defaults when the key is absent).
-_BOS_BY_DEFAULT = {"llama3"}
+
+
+@dataclass(frozen=True)
+class _Pre:
+    """A `tokenizer.ggml.pre` value: its split family, whether BPE first looks a whole pre-token
+    up in the vocabulary (HF `ignore_merges`), whether BOS is added when `add_bos_token` is absent
+    (llama.cpp's default), and whether text is NFC-normalised first."""
+    family: str
+    ignore_merges: bool = False
+    add_bos: bool = False
+    nfc: bool = False
+
+
+_LLAMA3 = _Pre("llama3", ignore_merges=True, add_bos=True)
+_PRE: dict[str, _Pre] = {
+    **dict.fromkeys(["default", "gpt2", "gpt-2", "phi-2", "olmo", "mpt"], _Pre("gpt2")),
+    **dict.fromkeys(["smollm", "starcoder", "refact", "codeshell", "command-r"], _Pre("digits")),
+    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3"], _LLAMA3),
+    # SmolLM3 and DBRX files: Llama 3's split, but BPE applies the merges to every word.
+    **dict.fromkeys(["smaug-bpe", "dbrx"], _Pre("llama3")),
+    **dict.fromkeys(["qwen2", "deepseek-r1-qwen"], _Pre("qwen2", nfc=True)),
+    "qwen35": _Pre("qwen35"),  # no NFC: text keeps decomposed accents
+    "deepseek-llm": _Pre("deepseek-llm"),
+    "deepseek-coder": _Pre("deepseek-coder"),
+    "falcon": _Pre("falcon"),
+}
 
 # Token texts that end a turn, as llama.cpp recognises them, besides EOS and the metadata ids.
 _EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
@@ -84,21 +157,101 @@ def _byte_level_bytes(piece: str) -> bytes:
         return piece.encode("utf-8")
 
 
-def _byte_level_pre_tokenizer(family: str) -> pre_tokenizers.PreTokenizer:
-    """The pre-tokenizer of a byte-level BPE family, as the original HF tokenizer.json builds it."""
-    if family == "gpt2":
-        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if family == "digits":
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    pattern = _LLAMA3_PATTERN if family == "llama3" else _QWEN2_PATTERN
-    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+_FIX = "the file's vocabulary is corrupt or was written by a broken converter; re-download or re-convert the model"
+
+
+def _bad(key: str, what: str) -> GGUFError:
+    return GGUFError(f"tokenizer metadata {key}: {what}; {_FIX}")
+
+
+def _strings(meta: Mapping[str, Any], key: str) -> list[str] | None:
+    """A metadata array of strings (None when absent); GGUFError for anything else."""
+    value = meta.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise _bad(key, f"should be an array of strings, not {type(value).__name__}")
+    for i, text in enumerate(value):
+        if not isinstance(text, str):
+            raise _bad(key, f"entry #{i} is {type(text).__name__} {text!r}, not a string")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise _bad(key, f"entry #{i} {text!r} is not valid UTF-8 text (it holds a lone surrogate)") from None
+    return list(value)
+
+
+def _numbers(meta: Mapping[str, Any], key: str, n_vocab: int, kind: type) -> list | None:
+    """A numeric metadata array of one entry per token (None when absent); GGUFError otherwise."""
+    value = meta.get(key)
+    if value is None:
+        return None
+    values = value.tolist() if isinstance(value, np.ndarray) else value
+    if not isinstance(values, (list, tuple)):
+        raise _bad(key, f"should be an array of numbers, not {type(value).__name__}")
+    if len(values) != n_vocab:
+        raise _bad(key, f"has {len(values)} entries for {n_vocab} tokens (tokenizer.ggml.tokens); "
+                        "there must be one per token")
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else int):
+            raise _bad(key, f"entry #{i} is {type(v).__name__} {v!r}, not {'a number' if kind is float else 'an integer'}")
+    return [kind(v) for v in values]
 
 
 def _vocab_index(tokens: Sequence[str]) -> dict[str, int]:
-    """Piece -> id; a piece listed twice keeps its last id, as llama.cpp's lookup does."""
-    return {piece: i for i, piece in enumerate(tokens)}
+    """Piece -> id; GGUFError when a piece is listed twice (llama.cpp refuses such a file too)."""
+    index: dict[str, int] = {}
+    for i, piece in enumerate(tokens):
+        if index.setdefault(piece, i) != i:
+            raise _bad("tokenizer.ggml.tokens", f"token #{i} {piece!r} repeats token #{index[piece]}")
+    return index
+
+
+def _merge_pairs(merges: Sequence[str], vocab: Mapping[str, int]) -> list[tuple[str, str]]:
+    """The (left, right) pairs of byte-level BPE merges, each checked against the vocabulary.
+
+    A merge is ``"left right"``, split at its first space after the first character (as llama.cpp
+    does); both halves and their concatenation must be tokens."""
+    pairs = []
+    for i, merge in enumerate(merges):
+        cut = merge.find(" ", 1)
+        if cut < 0:
+            raise _bad("tokenizer.ggml.merges", f"merge #{i} {merge!r} has no space between its two parts")
+        left, right = merge[:cut], merge[cut + 1:]
+        for part in (left, right, left + right):
+            if part not in vocab:
+                raise _bad("tokenizer.ggml.merges",
+                           f"merge #{i} {merge!r} names {part!r}, which is not in tokenizer.ggml.tokens")
+        pairs.append((left, right))
+    return pairs
+
+
+def _meta_id(meta: Mapping[str, Any], key: str, n_vocab: int) -> int | None:
+    """A token id from metadata, or None when absent or out of range (llama.cpp ignores such an id too)."""
+    value = meta.get(key)
+    if value is None:
+        return None
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise _bad(key, f"is {type(value).__name__} {value!r}, not a token id") from None
+    return value if 0 <= value < n_vocab else None
+
+
+def _meta_flag(meta: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = meta.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, (bool, np.bool_)):
+        raise _bad(key, f"is {type(value).__name__} {value!r}, not a boolean")
+    return bool(value)
+
+
+def _meta_str(meta: Mapping[str, Any], key: str) -> str | None:
+    value = meta.get(key)
+    if value is not None and not isinstance(value, str):
+        raise _bad(key, f"is {type(value).__name__} {value!r}, not a string")
+    return value
 
 
 def _spm_merges(vocab: Mapping[str, int], scores: Sequence[float]) -> list[tuple[str, str]]:
@@ -119,23 +272,6 @@ def _spm_merges(vocab: Mapping[str, int], scores: Sequence[float]) -> list[tuple
                     ranked.append((score, left, right))
     ranked.sort(key=lambda m: -m[0])
     return [(left, right) for _, left, right in ranked]
-
-
-def _meta_list(meta: Mapping[str, Any], key: str) -> list | None:
-    """A metadata array as a list of Python values (it may arrive as a list or a numpy array)."""
-    value = meta.get(key)
-    if value is None:
-        return None
-    return value.tolist() if hasattr(value, "tolist") else list(value)
-
-
-def _meta_id(meta: Mapping[str, Any], key: str, n_vocab: int) -> int | None:
-    """A token id from metadata, or None when absent or out of range."""
-    value = meta.get(key)
-    if value is None:
-        return None
-    value = int(value)
-    return value if 0 <= value < n_vocab else None
 
 
 class Tokenizer:
@@ -171,43 +307,58 @@ class Tokenizer:
 
         Reads `tokenizer.ggml.*` (model, pre, tokens, token_type, scores, merges, bos/eos/unknown/
         eot/eom ids, add_bos_token, add_space_prefix) and `tokenizer.chat_template`.
-        Raises ValueError for a missing vocabulary or an unsupported tokenizer model or pre-tokenizer.
+        Raises GGUFError (a ValueError) for a missing or inconsistent vocabulary (arrays of
+        different lengths, repeated tokens, token types outside 1..6, merges naming missing
+        tokens...) and for an unsupported tokenizer model or pre-tokenizer.
         """
-        model = meta.get("tokenizer.ggml.model")
-        tokens = _meta_list(meta, "tokenizer.ggml.tokens")
+        model = _meta_str(meta, "tokenizer.ggml.model")
+        if model not in ("gpt2", "llama", "gemma4"):
+            raise GGUFError(f"unsupported tokenizer model tokenizer.ggml.model={model!r}; supported: 'gpt2' "
+                            "(byte-level BPE), 'llama' (SentencePiece BPE) and 'gemma4' (BPE on UTF-8 text)")
+        pre = _meta_str(meta, "tokenizer.ggml.pre")
+        spec = None
+        if model == "gpt2":
+            spec = _PRE.get(pre or "default")
+            if spec is None:
+                raise GGUFError(f"unsupported pre-tokenizer tokenizer.ggml.pre={pre!r}; "
+                                f"supported: {', '.join(sorted(_PRE))}")
+        tokens = _strings(meta, "tokenizer.ggml.tokens")
         if not tokens:
-            raise ValueError("GGUF metadata has no tokenizer.ggml.tokens: the file carries no vocabulary")
+            raise GGUFError("GGUF metadata has no tokenizer.ggml.tokens: the file carries no vocabulary")
         n_vocab = len(tokens)
-        types = _meta_list(meta, "tokenizer.ggml.token_type") or [TOKEN_NORMAL] * n_vocab
-        if len(types) != n_vocab:
-            raise ValueError(f"tokenizer.ggml.token_type has {len(types)} entries for {n_vocab} tokens")
-        types = [int(t) for t in types]
+        index = _vocab_index(tokens)
+        types = _numbers(meta, "tokenizer.ggml.token_type", n_vocab, int)
+        scores = _numbers(meta, "tokenizer.ggml.scores", n_vocab, float)
+        if types is None:  # old files: only the declared specials are control
+            types = [TOKEN_NORMAL] * n_vocab
+        for i, t in enumerate(types):
+            if not TOKEN_NORMAL <= t <= TOKEN_BYTE:
+                raise _bad("tokenizer.ggml.token_type", f"token #{i} {tokens[i]!r} has type {t}; "
+                                                        "GGUF token types are 1 (normal) to 6 (byte)")
         bos_id = _meta_id(meta, "tokenizer.ggml.bos_token_id", n_vocab)
         eos_id = _meta_id(meta, "tokenizer.ggml.eos_token_id", n_vocab)
         unk_id = _meta_id(meta, "tokenizer.ggml.unknown_token_id", n_vocab)
-        if "tokenizer.ggml.token_type" not in meta:  # old files: only the declared specials are control
+        if "tokenizer.ggml.token_type" not in meta:
             for tid in (bos_id, eos_id, unk_id):
                 if tid is not None:
                     types[tid] = TOKEN_CONTROL
 
-        index = _vocab_index(tokens)
-        pre = meta.get("tokenizer.ggml.pre")
-        if model == "gpt2":
-            family = _PRE_FAMILIES.get(pre or "default")
-            if family is None:
-                raise ValueError(f"unsupported pre-tokenizer tokenizer.ggml.pre={pre!r}; "
-                                 f"supported: {', '.join(sorted(_PRE_FAMILIES))}")
-            add_bos_default, add_space_prefix = family in _BOS_BY_DEFAULT, False
-            hf = cls._build_byte_level(index, meta, family)
-        elif model == "llama":
-            scores = _meta_list(meta, "tokenizer.ggml.scores")
-            if scores is None or len(scores) != n_vocab:
-                raise ValueError("a 'llama' (SentencePiece) vocabulary needs tokenizer.ggml.scores, one per token")
-            add_bos_default, add_space_prefix = True, bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-            hf = cls._build_spm(index, scores, tokens[unk_id] if unk_id is not None else None, add_space_prefix)
+        if spec is not None:
+            add_bos_default, add_space_prefix = spec.add_bos, False
+            merges = _merge_pairs(_strings(meta, "tokenizer.ggml.merges") or [], index)
+            hf = cls._build_byte_level(index, merges, spec)
         else:
-            raise ValueError(f"unsupported tokenizer model tokenizer.ggml.model={model!r}; "
-                             "supported: 'gpt2' (byte-level BPE) and 'llama' (SentencePiece BPE)")
+            unk = tokens[unk_id] if unk_id is not None else None
+            add_bos_default = True
+            if model == "gemma4":  # merges from the file, on raw UTF-8 text with spaces as '▁'
+                add_space_prefix = False
+                merges = _merge_pairs(_strings(meta, "tokenizer.ggml.merges") or [], index)
+            else:  # SentencePiece: merges follow the scores
+                if scores is None:
+                    raise GGUFError("a 'llama' (SentencePiece) vocabulary needs tokenizer.ggml.scores, one per token")
+                add_space_prefix = _meta_flag(meta, "tokenizer.ggml.add_space_prefix", True)
+                merges = _spm_merges(index, scores)
+            hf = cls._build_spm(index, merges, unk, add_space_prefix)
 
         # Matched as a whole before BPE (on the raw text); control ones only with special=True.
         hf.add_tokens([AddedToken(tokens[i], special=(t == TOKEN_CONTROL), normalized=False)
@@ -222,24 +373,22 @@ class Tokenizer:
 
         return cls(model=model, pre=pre, tokens=tokens, token_types=types, hf=hf, bos_id=bos_id, eos_id=eos_id,
                    eot_ids=frozenset(eot),
-                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)),
+                   add_bos=_meta_flag(meta, "tokenizer.ggml.add_bos_token", add_bos_default),
                    add_space_prefix=add_space_prefix,
-                   chat_template=meta.get("tokenizer.chat_template"))
+                   chat_template=_meta_str(meta, "tokenizer.chat_template"))
 
     @staticmethod
-    def _build_byte_level(vocab: dict[str, int], meta: Mapping[str, Any], family: str) -> _HFTokenizer:
-        merges = [tuple(m.split(" ", 1)) for m in _meta_list(meta, "tokenizer.ggml.merges") or []]
-        bpe = models.BPE(vocab, merges, ignore_merges=(family == "llama3"))
-        hf = _HFTokenizer(bpe)
-        if family == "qwen2":
+    def _build_byte_level(vocab: dict[str, int], merges: list[tuple[str, str]], spec: _Pre) -> _HFTokenizer:
+        hf = _HFTokenizer(models.BPE(vocab, merges, ignore_merges=spec.ignore_merges))
+        if spec.nfc:
             hf.normalizer = normalizers.NFC()
-        hf.pre_tokenizer = _byte_level_pre_tokenizer(family)
+        hf.pre_tokenizer = pre_tokenizers.Sequence(_SPLITTERS[spec.family]())
         return hf
 
     @staticmethod
-    def _build_spm(vocab: dict[str, int], scores: Sequence[float], unk_token: str | None,
+    def _build_spm(vocab: dict[str, int], merges: list[tuple[str, str]], unk_token: str | None,
                    add_space_prefix: bool) -> _HFTokenizer:
-        bpe = models.BPE(vocab, _spm_merges(vocab, scores), byte_fallback=True, fuse_unk=True, unk_token=unk_token)
+        bpe = models.BPE(vocab, merges, byte_fallback=True, fuse_unk=True, unk_token=unk_token)
         hf = _HFTokenizer(bpe)
         steps = [normalizers.Prepend(_SPM_SPACE)] if add_space_prefix else []
         hf.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", _SPM_SPACE)])

@@ -6,16 +6,19 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from npllama.errors import ModelFetchError
+from npllama.errors import GGUFError, ModelFetchError
 from npllama.gguf_file import read_metadata
 from npllama.hub import known_model_path
 from npllama.tokenizer import TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_USER_DEFINED, StreamDecoder, Tokenizer
+from llama_vocabs import VocabFetchError, read_vectors, vocab_dir, vocab_names
 from tinygguf import tiny_vocab
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -139,16 +142,57 @@ def test_bad_ids_in_lookups(tiny):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"tokenizer.ggml.model": "bert"}, "unsupported tokenizer model .*'bert'"),
+    ({"tokenizer.ggml.model": "bert"}, "unsupported tokenizer model .*'bert'.* supported: 'gpt2'"),
     ({"tokenizer.ggml.model": None}, "unsupported tokenizer model .*None"),
-    ({"tokenizer.ggml.pre": "mystery-pre"}, "unsupported pre-tokenizer .*'mystery-pre'"),
+    ({"tokenizer.ggml.model": 7}, "tokenizer.ggml.model: is int 7, not a string"),
+    ({"tokenizer.ggml.pre": "mystery-pre"}, "unsupported pre-tokenizer .*'mystery-pre'; supported: .*deepseek-coder"),
     ({"tokenizer.ggml.tokens": None}, "no tokenizer.ggml.tokens"),
-    ({"tokenizer.ggml.token_type": [1, 1]}, "token_type has 2 entries"),
+    ({"tokenizer.ggml.tokens": "abc"}, "tokenizer.ggml.tokens: should be an array of strings, not str"),
+    ({"tokenizer.ggml.token_type": [1, 1]}, "token_type: has 2 entries for 267 tokens"),
+    ({"tokenizer.ggml.scores": [0.0] * 3}, "scores: has 3 entries for 267 tokens"),
     ({"tokenizer.ggml.model": "llama"}, "needs tokenizer.ggml.scores"),
+    ({"tokenizer.ggml.model": "gemma4", "tokenizer.ggml.merges": ["h e", "x y"]},
+     "merge #1 'x y' names 'xy', which is not in tokenizer.ggml.tokens"),
+    ({"tokenizer.ggml.bos_token_id": 1.5}, "bos_token_id: is float 1.5, not a token id"),
+    ({"tokenizer.ggml.add_bos_token": "yes"}, "add_bos_token: is str 'yes', not a boolean"),
+    ({"tokenizer.chat_template": ["{{ x }}"]}, "chat_template: is list"),
 ])
 def test_bad_metadata(overrides, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(GGUFError, match=message):
         Tokenizer.from_metadata(gpt2_meta(**overrides))
+
+
+def _edited(index: int, value):
+    """Tiny-vocabulary token texts with entry `index` replaced."""
+    tokens = tiny_vocab()[0]
+    tokens[index] = value
+    return tokens
+
+
+# Inconsistent vocabularies that used to load and then fail at the first encode() with a bare
+# Exception or a TypeError from the `tokenizers` BPE constructor (issue 20's fuzzing campaign).
+@pytest.mark.parametrize("overrides, message", [
+    # a one-byte flip in a merged token's text: the merge 'Ġ t' now names a missing 'Ġt'
+    ({"tokenizer.ggml.tokens": _edited(tiny_vocab()[0].index("Ġt"), "Ġu")}, r"merge #0 'Ġ t' names 'Ġt'"),
+    ({"tokenizer.ggml.merges": ["Ġ t", "he"]}, "merge #1 'he' has no space between its two parts"),
+    ({"tokenizer.ggml.merges": [" t"]}, "merge #0 ' t' has no space between its two parts"),
+    ({"tokenizer.ggml.merges": ["Ġ t", 5]}, "merges: entry #1 is int 5, not a string"),
+    ({"tokenizer.ggml.merges": ["q z"]}, "merge #0 'q z' names 'qz', which is not in"),
+    ({"tokenizer.ggml.tokens": _edited(5, "<|im_end|>")}, "token #5 '<|im_end|>' repeats token #2"),
+    ({"tokenizer.ggml.tokens": _edited(7, "a\udcff")}, r"entry #7 'a\\udcff' is not valid UTF-8 text"),
+    ({"tokenizer.ggml.tokens": _edited(7, None)}, "tokens: entry #7 is NoneType None, not a string"),
+    ({"tokenizer.ggml.token_type": [3] * 3 + [7] * 264}, "token #3 'Ā' has type 7; GGUF token types are 1"),
+    ({"tokenizer.ggml.token_type": [3] * 3 + [0] * 264}, "token #3 'Ā' has type 0"),
+    ({"tokenizer.ggml.token_type": np.array([1.5] * 267)}, "token_type: entry #0 is float 1.5, not an integer"),
+    ({"tokenizer.ggml.scores": np.array([float("nan")] * 267), "tokenizer.ggml.model": "llama"}, None),
+])
+def test_inconsistent_vocabulary_is_refused_when_built(overrides, message):
+    meta = gpt2_meta(**overrides)
+    if message is None:  # NaN scores: a SentencePiece vocabulary still builds and encodes
+        Tokenizer.from_metadata(meta).encode("hello")
+        return
+    with pytest.raises(GGUFError, match=message):
+        Tokenizer.from_metadata(meta)
 
 
 @pytest.mark.parametrize("pre, pieces", [
@@ -295,3 +339,48 @@ def test_gemma3_specials():
     assert (tok.bos_id, tok.eos_id, tok.eot_ids) == (2, 1, {1, 106})
     assert tok.encode("<start_of_turn>user\n", special=True) == [2, 105, 2364, 107]
     assert tok.token_type(238) == TOKEN_BYTE and tok.id_to_bytes(238) == b"\x00"
+
+
+# --- llama.cpp's tokenizer test vectors (tests/llama_vocabs.py) --------------------------------
+
+# The vocabularies with test vectors in llama-cpp-python 0.3.36: each supported one must match every
+# vector; the others must be refused with the list of what is supported.
+SUPPORTED_VOCABS = ["command-r", "deepseek-coder", "deepseek-llm", "falcon", "gemma-4", "gpt-2", "llama-bpe",
+                    "llama-spm", "mpt", "phi-3", "qwen2", "qwen35", "refact", "starcoder"]
+REFUSED_VOCABS = {"bert-bge": "unsupported tokenizer model tokenizer.ggml.model='bert'; supported: 'gpt2'"}
+
+
+@pytest.fixture(scope="session")
+def llama_vocabs():
+    """The directory of llama.cpp's ggml-vocab-* files, fetched once into the cache; the tests
+    skip when it cannot be fetched, or fail under NPLLAMA_REQUIRE_MODEL=1."""
+    try:
+        return vocab_dir()
+    except (VocabFetchError, OSError, TimeoutError) as e:
+        if os.environ.get("NPLLAMA_REQUIRE_MODEL") == "1":
+            pytest.fail(f"llama.cpp's tokenizer test vectors could not be fetched: {e}")
+        pytest.skip(f"llama.cpp's tokenizer test vectors unavailable: {e}")
+
+
+@pytest.mark.model
+def test_every_llama_vocab_is_covered(llama_vocabs):
+    assert vocab_names(llama_vocabs) == sorted([*SUPPORTED_VOCABS, *REFUSED_VOCABS])
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name", SUPPORTED_VOCABS)
+def test_llama_cpp_vectors(llama_vocabs, name):
+    """Every text of the vocabulary's .inp encodes (without BOS, special tokens as plain text, as
+    llama.cpp's test-tokenizer-0 does) to the ids of its .out."""
+    tok = Tokenizer.from_metadata(gguf_metadata(llama_vocabs / f"ggml-vocab-{name}.gguf"))
+    vectors = read_vectors(llama_vocabs, name)
+    assert len(vectors) >= 46
+    wrong = [(text, ids, got) for text, ids in vectors if (got := tok.encode(text, add_bos=False)) != ids]
+    assert not wrong, f"{len(wrong)} of {len(vectors)} texts differ; first (text, expected, got): {wrong[0]}"
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name", sorted(REFUSED_VOCABS))
+def test_llama_cpp_vocab_refused(llama_vocabs, name):
+    with pytest.raises(GGUFError, match=re.escape(REFUSED_VOCABS[name])):
+        Tokenizer.from_metadata(gguf_metadata(llama_vocabs / f"ggml-vocab-{name}.gguf"))
