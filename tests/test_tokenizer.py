@@ -6,7 +6,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+import random
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,8 @@ from npllama.errors import GGUFError, ModelFetchError
 from npllama.gguf_file import read_metadata
 from npllama.hub import known_model_path
 from npllama.tokenizer import TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_USER_DEFINED, StreamDecoder, Tokenizer
+from fuzz_targets_tokenizer import CORPUS as FUZZ_CORPUS
+from fuzz_targets_tokenizer import base_metadata, fuzz_tokenizer_one_input, tokenizer_seeds
 from llama_vocabs import VocabFetchError, read_vectors, vocab_dir, vocab_names
 from tinygguf import tiny_vocab
 
@@ -384,3 +388,59 @@ def test_llama_cpp_vectors(llama_vocabs, name):
 def test_llama_cpp_vocab_refused(llama_vocabs, name):
     with pytest.raises(GGUFError, match=re.escape(REFUSED_VOCABS[name])):
         Tokenizer.from_metadata(gguf_metadata(llama_vocabs / f"ggml-vocab-{name}.gguf"))
+
+
+# --- fuzzing (tests/fuzz_targets_tokenizer.py) ----------------------------------------------
+
+FUZZ_CASES = 12_000  # about 15 s here
+SECONDS_PER_CASE = 5.0  # a case takes about a millisecond; anything near this is a hang
+
+
+def _fuzz(data: bytes, label: str) -> None:
+    start = time.perf_counter()
+    try:
+        fuzz_tokenizer_one_input(data)
+    except Exception as e:  # noqa: BLE001 - the target lets only findings escape
+        raise AssertionError(f"{label}: input {data!r} escaped with {type(e).__name__}: {e}") from e
+    assert time.perf_counter() - start < SECONDS_PER_CASE, f"{label}: input {data!r} took too long"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in FUZZ_CORPUS.iterdir()))
+def test_fuzz_corpus(name):
+    """The committed seeds and the inputs that once escaped (regress-*: merges naming missing
+    tokens, invalid UTF-8 token text, wrong value types) are success or a ValueError now."""
+    _fuzz((FUZZ_CORPUS / name).read_bytes(), name)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "gemma4"])
+def test_fuzz_bases_are_valid(kind):
+    tok = Tokenizer.from_metadata(base_metadata(kind))
+    assert tok.decode(tok.encode("hello world", add_bos=False)) == "hello world"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in FUZZ_CORPUS.glob("seed-*")))
+def test_fuzz_seeds_load(name, tmp_path):
+    """Each committed seed is a valid vocabulary file (the mode byte 0, then the GGUF bytes)."""
+    raw = (FUZZ_CORPUS / name).read_bytes()
+    assert raw[0] == 0
+    (tmp_path / "seed.gguf").write_bytes(raw[1:])
+    tok = Tokenizer.from_metadata(gguf_metadata(tmp_path / "seed.gguf"))
+    assert tok.decode(tok.encode("hello world", add_bos=False)) == "hello world"
+
+
+@pytest.mark.slow
+def test_fuzz_tokenizer_seeded():
+    """Seeded random inputs: half are byte flips of the seed GGUF files, half structured edits of
+    the tiny vocabularies' metadata. Every outcome must be success or a ValueError."""
+    rnd = random.Random(15)
+    seeds = list(tokenizer_seeds().values())
+    for i in range(FUZZ_CASES):
+        if i % 2:
+            data = b"\x01" + rnd.randbytes(rnd.randint(0, 96))
+        else:
+            buf = bytearray(rnd.choice(seeds))
+            for _ in range(rnd.randint(1, 4)):
+                at = rnd.randrange(1, len(buf))
+                buf[at] = buf[at] ^ (1 << rnd.randrange(8)) if rnd.random() < 0.5 else rnd.randrange(256)
+            data = bytes(buf)
+        _fuzz(data, f"case {i}")
