@@ -204,6 +204,12 @@ def test_inconsistent_vocabulary_is_refused_when_built(overrides, message):
     ("smollm", ["1", "2", "3", "4"]),  # every digit on its own
     ("llama-bpe", ["123", "4"]),   # runs of at most three digits
     ("qwen2", ["1", "2", "3", "4"]),
+    ("qwen35", ["1", "2", "3", "4"]),
+    ("smaug-bpe", ["123", "4"]),   # SmolLM3: Llama 3's split
+    ("command-r", ["1", "2", "3", "4"]),
+    ("deepseek-coder", ["1", "2", "3", "4"]),
+    ("deepseek-llm", ["123", "4"]),  # digit runs kept whole, then BPE
+    ("falcon", ["123", "4"]),      # runs of three digits isolated
 ])
 def test_pre_tokenizer_families(pre, pieces):
     tokens, types, merges = tiny_vocab()
@@ -212,6 +218,18 @@ def test_pre_tokenizer_families(pre, pieces):
         "tokenizer.ggml.token_type": types + [TOKEN_NORMAL] * 2,
         "tokenizer.ggml.merges": merges + ["1 2", "12 3"]}))
     assert [tok.token_to_piece(i) for i in tok.encode("1234", add_bos=False)] == pieces
+
+
+@pytest.mark.parametrize("pre, pieces", [
+    ("llama-bpe", ["Ġabc"]),             # Llama 3 looks a whole word up before merging (ignore_merges)
+    ("smaug-bpe", ["Ġa", "b", "c"]),      # SmolLM3's files: the merges decide, as llama.cpp does
+])
+def test_whole_word_lookup(pre, pieces):
+    tokens, types, merges = tiny_vocab()
+    tok = Tokenizer.from_metadata(gpt2_meta(**{"tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens + ["Ġabc"],
+                                               "tokenizer.ggml.token_type": types + [TOKEN_NORMAL]}))
+    assert [tok.token_to_piece(i) for i in tok.encode(" abc", add_bos=False)] == pieces
+    assert tok.add_bos == (pre == "llama-bpe")
 
 
 def test_stream_decoder_holds_back_split_characters(tiny):
