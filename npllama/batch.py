@@ -38,7 +38,6 @@ prompts are kept in the pool's prefix cache, so prompts that share a page-aligne
 """
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -49,7 +48,8 @@ from numba import njit, prange
 from .attention import MASKED
 from .errors import ContextOverflowError
 from .generate import Completion, Token, _logprobs, _StopScanner, check_max_tokens, fit_prompt
-from .kernels import _rmsnorm_row, _rope_row
+from . import block
+from .kernels import ACTS, _glu_row, _rmsnorm_row, _rope_row
 from .kvpool import KVPool, PoolExhaustedError, PoolSeq
 from .f16 import _half_bits_to_f32, bits
 from .paged_attention import _paged_kernel, plan_blocks
@@ -219,8 +219,9 @@ def _qkv_rows(cq, wq, ck, wk, cv, wv, x, q, k, v, half):
 
 
 @njit(parallel=True, fastmath=_FAST, cache=True)
-def _gate_up_rows(cg, wg, cu, wu, x, out, half):
-    """out = silu(x @ Wg.T) * (x @ Wu.T) in one parallel region (SwiGLU fused per tile)."""
+def _gate_up_rows(cg, wg, cu, wu, x, out, half, act):
+    """out = act(x @ Wg.T) * (x @ Wu.T) in one parallel region (the GLU fused per tile; act:
+    a code of kernels.ACTS)."""
     T = x.shape[0]
     xsum = _block_sums(x)
     n_tiles = (wg.shape[0] + _TILE - 1) // _TILE
@@ -231,10 +232,9 @@ def _gate_up_rows(cg, wg, cu, wu, x, out, half):
         r0 = c * _TILE
         _tile(cg, wg, r0, x, xsum, g, 0, w, half)
         _tile(cu, wu, r0, x, xsum, u, 0, w, half)
+        n = min(_TILE, wg.shape[0] - r0)
         for t in range(T):
-            for i in range(min(_TILE, wg.shape[0] - r0)):
-                a = g[t, i]
-                out[t, r0 + i] = a / (np.float32(1.0) + np.exp(-a)) * u[t, i]
+            _glu_row(g[t, :n], u[t, :n], out[t, r0:r0 + n], act)
 
 
 @njit(cache=True)
@@ -300,18 +300,20 @@ def forward_batch(model, pool: KVPool, seqs: Sequence[PoolSeq], token_lists, *, 
     counts = [len(t) for t in ids_list]
     positions = np.concatenate([np.arange(s.length, s.length + n, dtype=np.int64)
                                 for s, n in zip(seqs, counts)])
-    model.rope.check(positions)
+    model.ropes.check(positions)
     slots = np.concatenate(pool.reserve(seqs, counts))
     cfg = model.config
-    T, D, B = len(positions), cfg.head_dim, len(seqs)
+    T, B = len(positions), len(seqs)
     ids = np.concatenate(ids_list)
     seq_of_token = np.repeat(np.arange(B, dtype=np.int64), counts)
     tables = pool.tables(seqs)
-    scale = np.float32(1.0 / math.sqrt(D))
+    scale = np.float32(cfg.attn_scale)
     kv_bufs = [bits(b) for b in pool.buffers()]
     threads = check_threads(threads) or model.threads
-    rows_kernels = USE_ROW_KERNELS and all(n % 32 == 0 for n in (cfg.n_embd, cfg.n_ff, cfg.n_head * D))
-    layers, chunk = (_layers_rows, CHUNK_TOKENS) if rows_kernels else (_layers_blas, _BLAS_CHUNK)
+    dims = (cfg.n_embd, cfg.q_dim) + ((cfg.n_ff_exp,) if cfg.n_expert else (cfg.n_ff,))
+    rows_kernels = USE_ROW_KERNELS and all(n % 32 == 0 for n in dims)
+    chunk = CHUNK_TOKENS if rows_kernels else _BLAS_CHUNK
+    end = int(positions.max()) + 1
     ends = np.cumsum(counts)
     want = np.arange(T) if all_logits else ends - 1  # the tokens whose logits are returned
     hidden = np.empty((len(want), cfg.n_embd), np.float32)
@@ -320,9 +322,18 @@ def forward_batch(model, pool: KVPool, seqs: Sequence[PoolSeq], token_lists, *, 
         # an earlier chunk wrote, so chunking changes nothing but the activations' size
         for c0 in range(0, T, chunk):
             c1 = min(T, c0 + chunk)
-            x = model.token_embd.rows_of(ids[c0:c1])  # (chunk, n_embd) residual stream
             blocks = plan_blocks(seq_of_token[c0:c1], positions[c0:c1])
-            x = layers(model, pool, x, positions[c0:c1], slots[c0:c1], tables, blocks, scale, kv_bufs)
+            slots_c = slots[c0:c1]
+
+            def paged_attention(li, q, k, v, window, slots_c=slots_c, blocks=blocks):
+                pool.write(li, slots_c, k, v)
+                a = np.empty_like(q)
+                _paged_kernel(q, kv_bufs[li], tables, *blocks, scale, window, a)
+                return a
+
+            ops = _RowOps(cfg, paged_attention) if rows_kernels else block.Ops(cfg, lambda w, h: w @ h,
+                                                                                paged_attention)
+            x = block.run_layers(model, block.embed(model, ids[c0:c1]), positions[c0:c1], ops, end)
             lo, hi = np.searchsorted(want, (c0, c1))
             hidden[lo:hi] = x[want[lo:hi] - c0]
         logits = _head(model, hidden, rows_kernels)
@@ -333,54 +344,43 @@ def forward_batch(model, pool: KVPool, seqs: Sequence[PoolSeq], token_lists, *, 
     return np.split(logits, ends[:-1])
 
 
-def _layers_rows(model, pool, x, positions, slots, tables, blocks, scale, kv_bufs):
-    """Every layer for a chunk of packed tokens: five parallel regions per layer (q/k/v
-    products, attention, output projection, gate/up with SwiGLU, down projection), the
-    per-token norms and RoPE serially. Returns the hidden states (T, n_embd) after the last
-    layer."""
-    cfg, rope = model.config, model.rope
-    T, H, KVH, D = x.shape[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim
-    h = np.empty_like(x)
-    q = np.empty((T, H * D), np.float32)
-    k = np.empty((T, KVH * D), np.float32)
-    v = np.empty((T, KVH * D), np.float32)
-    a = np.empty((T, H, D), np.float32)
-    act = np.empty((T, cfg.n_ff), np.float32)
-    tmp = np.empty_like(x)
-    for li, L in enumerate(model.layers):
-        _rmsnorm_rows(x, L.attn_norm, np.float32(cfg.rms_eps), h)
-        _qkv_rows(int(L.wq.qtype), L.wq.data, int(L.wk.qtype), L.wk.data, int(L.wv.qtype), L.wv.data,
-                  h, q, k, v, 16)
-        if L.bq is not None:
-            q += L.bq
-            k += L.bk
-            v += L.bv
-        q3, k3 = q.reshape(T, H, D), k.reshape(T, KVH, D)
-        _rope_rows(q3, positions, rope.cos, rope.sin, rope.neox)
-        _rope_rows(k3, positions, rope.cos, rope.sin, rope.neox)
-        pool.write(li, slots, k3, v.reshape(T, KVH, D))
-        _paged_kernel(q3, kv_bufs[li], tables, *blocks, scale, a)
-        _matmul_rows(int(L.wo.qtype), L.wo.data, a.reshape(T, H * D), tmp, 16)
-        x += tmp
-        _rmsnorm_rows(x, L.ffn_norm, np.float32(cfg.rms_eps), h)
-        _gate_up_rows(int(L.w_gate.qtype), L.w_gate.data, int(L.w_up.qtype), L.w_up.data, h, act, 16)
-        _matmul_rows(int(L.w_down.qtype), L.w_down.data, act, tmp, 16)
-        x += tmp
-    return x
+class _RowOps(block.Ops):
+    """The batched path's pieces: the row kernels of this module (one parallel region for
+    q/k/v, one for gate/up with the activation), serial per-token norms and RoPE."""
+
+    def __init__(self, cfg, attention):
+        super().__init__(cfg, _product_rows, attention)
+        self.eps = np.float32(cfg.rms_eps)
+        self.act = ACTS[cfg.act]
+
+    def norm(self, x, w):
+        x2 = x.reshape(-1, x.shape[-1])
+        out = np.empty_like(x2)
+        _rmsnorm_rows(x2, w, self.eps, out)
+        return out.reshape(x.shape)
+
+    def qkv(self, L, h):
+        T = h.shape[0]
+        q = np.empty((T, L.wq.rows), np.float32)
+        k = np.empty((T, L.wk.rows), np.float32)
+        v = np.empty((T, L.wv.rows), np.float32)
+        _qkv_rows(int(L.wq.qtype), L.wq.data, int(L.wk.qtype), L.wk.data, int(L.wv.qtype), L.wv.data, h, q, k, v, 16)
+        return q, k, v
+
+    def glu(self, gate, up, h):
+        out = np.empty((h.shape[0], gate.rows), np.float32)
+        _gate_up_rows(int(gate.qtype), gate.data, int(up.qtype), up.data, h, out, 16, self.act)
+        return out
+
+    def rope(self, x, positions, cos, sin):
+        _rope_rows(x, positions, cos, sin, self.cfg.rope_neox)
 
 
-def _layers_blas(model, pool, x, positions, slots, tables, blocks, scale, kv_bufs):
-    """Every layer through the tiled-dequant + BLAS products (`QWeight @ x`): for weights
-    whose rows are not whole blocks of 32, which the row kernels do not take."""
-    cfg = model.config
-    a = np.empty((x.shape[0], cfg.n_head, cfg.head_dim), np.float32)
-
-    def paged_attention(li, q, k, v):
-        pool.write(li, slots, k, v)
-        _paged_kernel(q, kv_bufs[li], tables, *blocks, scale, a)
-        return a
-
-    return model._layers(x, positions, lambda w, h: w @ h, paged_attention)
+def _product_rows(w, h):
+    """h @ w.T by the row kernels (h: T contiguous float32 rows)."""
+    out = np.empty((h.shape[0], w.rows), np.float32)
+    _matmul_rows(int(w.qtype), w.data, np.ascontiguousarray(h), out, 16)
+    return out
 
 
 def _head(model, x, rows_kernels):
@@ -388,11 +388,11 @@ def _head(model, x, rows_kernels):
     h = np.empty_like(x)
     _rmsnorm_rows(x, model.output_norm, np.float32(model.config.rms_eps), h)
     if not rows_kernels:
-        return model.output @ h
+        return block.softcap(model.output @ h, model.config.softcap)
     out = np.empty((len(h), model.output.rows), np.float32)
     for c0 in range(0, len(h), CHUNK_TOKENS):
         out[c0:c0 + CHUNK_TOKENS] = matmul_rows(model.output, h[c0:c0 + CHUNK_TOKENS])
-    return out
+    return block.softcap(out, model.config.softcap)
 
 
 # ---------------------------------------------------------------------------------------

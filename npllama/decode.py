@@ -18,7 +18,6 @@ the KV cache's array; the caller commits them afterwards.
 """
 from __future__ import annotations
 
-import math
 import threading
 
 import numpy as np
@@ -26,7 +25,8 @@ from numba import njit, prange
 
 from .attention import _BLOCK, _decode_chunk, _merge_chunks
 from .f16 import _st, bits
-from .kernels import _rmsnorm_row, _rope_row, _swiglu_row
+from . import block
+from .kernels import ACTS, _glu_row, _rmsnorm_row, _rope_row
 from .quants import _block_sums, _deq_row, _rows_f32
 from .quants_int8 import _Q4_1, _Q4_1P, _has_i8, _pack_q4_1, _quantize_x_q8, _rows_i8
 from .workshare import _finish, _take, _wait, phase_size
@@ -81,9 +81,18 @@ class DecodePlan:
         self.bq = stack("bq", q_dim)                     # (n_layer, q_dim) or (n_layer, 0)
         self.bk = stack("bk", kv_dim)
         self.bv = stack("bv", kv_dim)
+        self.q_norm = stack("q_norm", cfg.head_dim)       # (n_layer, head_dim) or (n_layer, 0)
+        self.k_norm = stack("k_norm", cfg.head_dim)
+        self.post_attn = stack("post_attn_norm", cfg.n_embd)  # (n_layer, n_embd) or (n_layer, 0)
+        self.post_ffn = stack("post_ffn_norm", cfg.n_embd)
+        # per layer: [RoPE table (-1: none), sliding window (0: none)]
+        self.lcfg = np.array([cfg.layer_rope, cfg.layer_window], np.int64).T.copy()
+        # [activation code, embedding scale]
+        self.act = ACTS[cfg.act]
+        self.embd_scale = np.float32(cfg.embd_scale)
         self.model = model
         self.eps = np.float32(cfg.rms_eps)
-        self.scale = np.float32(1.0 / math.sqrt(cfg.head_dim))
+        self.scale = np.float32(cfg.attn_scale)
         # offs[s]:offs[s + 1]: the results of product s of a layer in a row of the shared results
         self.offs = np.concatenate([[0], np.cumsum(table[0, :, 2])]).astype(np.int64)
         self._scratch = None  # the steps' working memory, for up to self._scratch_threads threads
@@ -117,17 +126,19 @@ class DecodePlan:
         its work sharing gives the same result with fewer threads than workers."""
         m, cfg = self.model, self.model.config
         cache.ensure_capacity(pos + 1)
-        # attention work items: chunks of keys, at least half a block each
+        # attention work items: chunks of keys, at least half a block each (a sliding layer
+        # splits its window into as many, some of them empty when the window is short)
         n_chunks = max(1, min(_CHUNKS_PER_THREAD * threads, (pos + 1) // (_BLOCK // 2)))
-        chunk = -(-(pos + 1) // n_chunks)
         logits = np.empty(cfg.n_vocab, np.float32)
+        cos, sin = m.ropes.tables(pos + 1)
         with self._lock:  # the steps of a model's sessions share its working memory
-            _decode_step(token, pos, chunk, self.buffer, self.packed, self.table, self.attn_norm, self.ffn_norm,
-                         self.bq, self.bk, self.bv, bits(cache.buffers()), m.rope.cos, m.rope.sin, m.rope.neox,
+            _decode_step(token, pos, n_chunks, self.buffer, self.packed, self.table, self.attn_norm, self.ffn_norm,
+                         self.bq, self.bk, self.bv, self.q_norm, self.k_norm, self.post_attn, self.post_ffn,
+                         self.lcfg, self.act, self.embd_scale, bits(cache.buffers()), cos, sin, cfg.rope_neox,
                          self.eps, self.scale, cfg.n_head, m.output_norm, self.int8, logits, threads, self.offs,
                          *self._scratch_for(threads))
         cache.commit(1)
-        return logits
+        return block.softcap(logits, cfg.softcap)
 
     def _scratch_for(self, threads: int) -> tuple:
         """The step's working memory for `threads` workers, allocated once (again only for
@@ -190,12 +201,13 @@ def _weight(buffer, packed, entry):
 
 
 @njit(cache=True)
-def _product(ctr, slot, home, nr, code, w, x, xsum, qx, dx, sx, int8, row, out, pair, code2, w2, out2):
+def _product(ctr, slot, home, nr, code, w, x, xsum, qx, dx, sx, int8, row, out, pair, code2, w2, out2, act):
     """Take items of ``out = W x`` from the phase at ``slot`` (``nr`` ranges, this thread's
     is ``home``) until none is left, and publish them. Returns the number of items.
 
     With ``pair``, an item also computes the same rows of ``out2 = W2 x`` and then turns them
-    into ``out = silu(out) * out2``: the FFN's gate and up products finished by SwiGLU."""
+    into ``out = act(out) * out2``: the FFN's gate and up products finished by their GLU
+    (act: a code of kernels.ACTS)."""
     rows = w.shape[0]
     per = _item_rows(w)
     n_items = (rows + per - 1) // per
@@ -209,7 +221,7 @@ def _product(ctr, slot, home, nr, code, w, x, xsum, qx, dx, sx, int8, row, out, 
             c, wh, o = (code, w, out) if half == 0 else (code2, w2, out2)
             _rows(c, wh, r0, r1, x, xsum, qx, dx, sx, int8, row, o)  # one call site: one copy of the kernels
         if pair:
-            _swiglu_row(out[r0:r1], out2[r0:r1], out[r0:r1])
+            _glu_row(out[r0:r1], out2[r0:r1], out[r0:r1], act)
         done += 1
     _finish(ctr, slot, nr, done)
     return n_items
@@ -286,8 +298,9 @@ def _private(f32, i8, n_embd, q_dim, n_ff, KVH, G, D):
 
 
 @njit(cache=True)
-def _worker(ctr, home, nr, token, pos, chunk, buffer, packed, table, attn_norm, ffn_norm, bq, bk, bv, kvs, cos, sin,
-            neox, eps, scale, H, out_norm, int8, logits, res, offs, part_m, part_l, part_acc, f32, i8, n_items):
+def _worker(ctr, home, nr, token, pos, buffer, packed, table, attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm,
+            post_attn, post_ffn, lcfg, act, embd_scale, kvs, cos, sin, neox, eps, scale, H, out_norm, int8, logits, res,
+            offs, part_m, part_l, part_acc, f32, i8, n_items):
     """One thread's share of a decode step. Every thread keeps its own copy of the residual
     stream and of the small per-token values (norms, RoPE, quantized activations), computed
     identically from the shared results; the products (the FFN's gate and up together, with
@@ -295,7 +308,10 @@ def _worker(ctr, home, nr, token, pos, chunk, buffer, packed, table, attn_norm, 
 
     res[li, offs[s]:offs[s + 1]]: the result of product s of layer li. A layer's steps run in
     one loop around a single product call (one inlined copy of the product kernels keeps
-    compile time down); the private work before a product depends on the step."""
+    compile time down); the private work before a product depends on the step. The
+    architecture's flags (ModelConfig, as DecodePlan lays them out) choose the optional
+    pieces: q/k norms, post-norms, per-layer RoPE table and window, the GLU's activation,
+    the embedding scale."""
     n_layer, n_embd = attn_norm.shape
     KVH, D = kvs.shape[2], kvs.shape[4]
     q_dim, n_ff = H * D, offs[5] - offs[4]
@@ -304,6 +320,8 @@ def _worker(ctr, home, nr, token, pos, chunk, buffer, packed, table, attn_norm, 
     he, ha, hf = h[:n_embd], h[:q_dim], h[:n_ff]
     embd = table[n_layer, 1]
     _deq_row(embd[0], _weight(buffer, packed, embd)[token], x)
+    if embd_scale != 1:
+        x *= embd_scale
     for li in range(n_layer + 1):
         for step in range(_STEPS if li < n_layer else 1):
             if step == 5:  # the up product runs with the gate product (step 4)
@@ -319,12 +337,13 @@ def _worker(ctr, home, nr, token, pos, chunk, buffer, packed, table, attn_norm, 
                     _rmsnorm_row(x, attn_norm[li], eps, he)
                     _prepare(he, int8, xsum, qe, de, se)
                 elif step == 3:
-                    _attention(ctr, home, nr, li, pos, chunk, res[li], offs, n_items, q, k, v, bq, bk, bv, kvs[li],
-                               cos, sin, neox, scale, part_m[li], part_l[li], part_acc[li], s, ha)
+                    _attention(ctr, home, nr, li, pos, res[li], offs, n_items, q, k, v, bq, bk, bv, q_norm, k_norm,
+                               lcfg[li], eps, kvs[li], cos, sin, neox, scale, part_m[li], part_l[li], part_acc[li],
+                               s, ha)
                     _prepare(ha, int8, xsum, qa, da, sa)
                 elif step == 4:
                     _wait(ctr, _slot(li, 3, nr), nr, n_items[3])
-                    x += res[li, offs[3]:offs[4]]
+                    _residual(x, res[li, offs[3]:offs[4]], post_attn, li, eps, he)
                     _rmsnorm_row(x, ffn_norm[li], eps, he)
                     _prepare(he, int8, xsum, qe, de, se)
                 elif step == 6:
@@ -341,22 +360,35 @@ def _worker(ctr, home, nr, token, pos, chunk, buffer, packed, table, attn_norm, 
                 xin, qx, dx, sx = he, qe, de, se
             n_items[step] = _product(ctr, _slot(li, step, nr), home, nr, entry[0], _weight(buffer, packed, entry),
                                      xin, xsum, qx, dx, sx, int8, row, out, li < n_layer and step == 4, up[0],
-                                     _weight(buffer, packed, up), out_up)
+                                     _weight(buffer, packed, up), out_up, act)
         if li < n_layer:
             _wait(ctr, _slot(li, 6, nr), nr, n_items[6])
-            x += res[li, offs[6]:offs[7]]
+            _residual(x, res[li, offs[6]:offs[7]], post_ffn, li, eps, he)
     _wait(ctr, _slot(n_layer, 0, nr), nr, n_items[0])
 
 
 @njit(cache=True)
-def _attention(ctr, home, nr, li, pos, chunk, res, offs, n_items, q, k, v, bq, bk, bv, kv, cos, sin, neox, scale,
-               part_m, part_l, part_acc, s, out):
-    """A thread's part of layer li's attention: wait for q, k, v; RoPE them (privately) and
-    write the new key and value rows; take chunks of keys as items (every KV head of a chunk
-    at once); merge every head's chunks into out (H * D).
+def _residual(x, r, post, li, eps, tmp):
+    """x += r, or x += rmsnorm(r) by post[li] when the architecture has post-norms (post
+    is (n_layer, n_embd), else (n_layer, 0)); tmp: scratch as long as x."""
+    if post.shape[1]:
+        _rmsnorm_row(r, post[li], eps, tmp[:x.shape[0]])
+        x += tmp[:x.shape[0]]
+    else:
+        x += r
 
-    q: (KVH, G, D) scratch for the scaled query; k, v: (KVH, D); part_m, part_l:
-    (n_chunks, KVH, G) and part_acc (n_chunks, KVH, G, D): the chunks' running states."""
+
+@njit(cache=True)
+def _attention(ctr, home, nr, li, pos, res, offs, n_items, q, k, v, bq, bk, bv, q_norm, k_norm, lcfg, eps, kv, cos,
+               sin, neox, scale, part_m, part_l, part_acc, s, out):
+    """A thread's part of layer li's attention: wait for q, k, v; norm and RoPE them
+    (privately) as the layer says and write the new key and value rows; take chunks of the
+    keys the query sees (its window's, in a sliding layer) as items (every KV head of a
+    chunk at once); merge every head's chunks into out (H * D).
+
+    q: (KVH, G, D) scratch for the scaled query; k, v: (KVH, D); lcfg: the layer's [RoPE
+    table or -1, window or 0]; part_m, part_l: (n_chunks, KVH, G) and part_acc
+    (n_chunks, KVH, G, D): the chunks' running states."""
     KVH, G, D = q.shape
     n_chunks = part_m.shape[0]
     for step in range(3):
@@ -368,14 +400,23 @@ def _attention(ctr, home, nr, li, pos, chunk, res, offs, n_items, q, k, v, bq, b
         q.reshape(KVH * G * D)[:] += bq[li]
         k.reshape(KVH * D)[:] += bk[li]
         v.reshape(KVH * D)[:] += bv[li]
-    _rope_row(q.reshape(KVH * G, D), pos, cos, sin, neox)
-    _rope_row(k, pos, cos, sin, neox)
+    if q_norm.shape[1]:
+        q2 = q.reshape(KVH * G, D)
+        for h in range(KVH * G):
+            _rmsnorm_row(q2[h], q_norm[li], eps, q2[h])
+        for g in range(KVH):
+            _rmsnorm_row(k[g], k_norm[li], eps, k[g])
+    if lcfg[0] >= 0:
+        _rope_row(q.reshape(KVH * G, D), pos, cos[lcfg[0]], sin[lcfg[0]], neox)
+        _rope_row(k, pos, cos[lcfg[0]], sin[lcfg[0]], neox)
     q *= scale
     # every thread writes the same new row, before any of its own reads of it
     for g in range(KVH):
         for d in range(D):
             _st(kv[pos, g, 0], d, k[g, d])
             _st(kv[pos, g, 1], d, v[g, d])
+    lo = max(0, pos + 1 - lcfg[1]) if lcfg[1] > 0 else 0  # the first key the query sees
+    chunk = -(-(pos + 1 - lo) // n_chunks)
     slot = _slot(li, _ATT, nr)
     done = 0
     while True:
@@ -385,7 +426,7 @@ def _attention(ctr, home, nr, li, pos, chunk, res, offs, n_items, q, k, v, bq, b
         part_m[c] = -np.inf
         part_l[c] = 0.0
         part_acc[c] = 0.0
-        _decode_chunk(q, kv, c * chunk, min(pos + 1, (c + 1) * chunk), part_m[c], part_l[c], part_acc[c], s)
+        _decode_chunk(q, kv, lo + c * chunk, min(pos + 1, lo + (c + 1) * chunk), part_m[c], part_l[c], part_acc[c], s)
         done += 1
     _finish(ctr, slot, nr, done)
     _wait(ctr, slot, nr, n_chunks)
@@ -393,9 +434,9 @@ def _attention(ctr, home, nr, li, pos, chunk, res, offs, n_items, q, k, v, bq, b
 
 
 @njit(parallel=True, cache=True)
-def _decode_step(token, pos, chunk, buffer, packed, table, attn_norm, ffn_norm, bq, bk, bv, kvs, cos, sin, neox, eps,
-                 scale, H, out_norm, int8, logits, n_threads, offs, res, part_m, part_l, part_acc, ctr, f32, i8,
-                 n_items):
+def _decode_step(token, pos, n_chunks, buffer, packed, table, attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm,
+                 post_attn, post_ffn, lcfg, act, embd_scale, kvs, cos, sin, neox, eps, scale, H, out_norm, int8, logits,
+                 n_threads, offs, res, part_m, part_l, part_acc, ctr, f32, i8, n_items):
     """One token through every layer in one parallel region: each thread runs `_worker`, and
     the products and attention are shared out as work items (see npllama.workshare).
 
@@ -409,13 +450,12 @@ def _decode_step(token, pos, chunk, buffer, packed, table, attn_norm, ffn_norm, 
     n_layer = attn_norm.shape[0]
     KVH, D = kvs.shape[2], kvs.shape[4]
     G = H // KVH
-    n_chunks = max(1, (pos + chunk) // chunk)
     n_part = n_layer * n_chunks * KVH * G
     pm = part_m[:n_part].reshape(n_layer, n_chunks, KVH, G)
     pl = part_l[:n_part].reshape(n_layer, n_chunks, KVH, G)
     pa = part_acc[:n_part * D].reshape(n_layer, n_chunks, KVH, G, D)
     ctr[:_slot(n_layer + 1, 0, n_threads)] = 0
     for home in prange(n_threads):
-        _worker(ctr, home, n_threads, token, pos, chunk, buffer, packed, table, attn_norm, ffn_norm, bq, bk, bv, kvs,
-                cos, sin, neox, eps, scale, H, out_norm, int8, logits, res, offs, pm, pl, pa, f32[home], i8[home],
-                n_items[home])
+        _worker(ctr, home, n_threads, token, pos, buffer, packed, table, attn_norm, ffn_norm, bq, bk, bv, q_norm,
+                k_norm, post_attn, post_ffn, lcfg, act, embd_scale, kvs, cos, sin, neox, eps, scale, H, out_norm, int8,
+                logits, res, offs, pm, pl, pa, f32[home], i8[home], n_items[home])

@@ -1,5 +1,6 @@
 """Opening a GGUF model: a bounds-checked parse of the header, metadata and tensor table,
-zero-copy tensor views on a read-only memory map, and the validated llama-family `ModelConfig`.
+zero-copy tensor views on a read-only memory map, and the validated `ModelConfig` that the
+file's architecture module (npllama.arch) reads from it.
 
 The file is parsed here rather than by `gguf.GGUFReader`, whose format constants it reuses.
 GGUFReader builds one numpy view per string, which makes opening a model with a 49k-token
@@ -20,14 +21,14 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUFValueType as VT
 from gguf import GGMLQuantizationType as QT
 
+from .arch import ARCHS, SUPPORTED_ARCHS, ModelConfig
+from .arch.base import Meta, read_key as _key
 from .errors import GGUFError
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
 SUPPORTED_QTYPES = frozenset({
     QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
     QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K,
 })
-_NEOX_ARCHS = frozenset({"qwen2"})  # rotate the two halves of each head, not adjacent pairs
 _FLOAT_DTYPES = {QT.F32: np.dtype("<f4"), QT.F16: np.dtype("<f2"), QT.BF16: np.dtype("<u2")}
 _SCALAR_FORMATS = {
     VT.UINT8: "<B", VT.INT8: "<b", VT.UINT16: "<H", VT.INT16: "<h", VT.UINT32: "<I",
@@ -60,30 +61,6 @@ class TensorInfo:
     offset: int
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    """The hyperparameters of a llama-family model, read from GGUF metadata and checked."""
-
-    arch: str
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_ff: int
-    n_vocab: int
-    n_ctx: int                       # training context length
-    rope_base: float
-    rope_dim: int
-    rope_scaling_type: str | None    # None, 'linear', 'yarn', ... as the file names it
-    rope_scaling_factor: float
-    rope_neox: bool                  # True: rotate halves (qwen2); False: adjacent pairs (llama)
-    rms_eps: float
-    tied_output: bool                # no output.weight: the output projection is token_embd
-    attn_bias: bool                  # q/k/v biases present (qwen2)
-    has_rope_freqs: bool             # rope_freqs.weight present (llama 3 rope scaling)
-
-
 class GGUFFile:
     """A GGUF model file, memory-mapped read-only, parsed and validated on construction.
 
@@ -101,7 +78,7 @@ class GGUFFile:
         buffer: the whole file as a read-only uint8 array on the memory map; every tensor's
             data is a view on it.
 
-    Raises GGUFError when the file is not a well-formed GGUF of a supported llama-family model
+    Raises GGUFError when the file is not a well-formed GGUF of a supported architecture
     (and OSError when it cannot be opened at all). Only the header, metadata and tensor table
     are read while opening; tensor data is paged in when first used.
     """
@@ -311,102 +288,17 @@ def _alignment(path: str, metadata: dict) -> int:
     return align
 
 
-_REQUIRED = object()
-
-
-def _key(path: str, metadata: dict, key: str, kind: type, default=_REQUIRED):
-    """metadata[key] checked to be `kind` (int, float or str); `default` if absent, else GGUFError."""
-    value = metadata.get(key, _REQUIRED)
-    if value is _REQUIRED:
-        if default is _REQUIRED:
-            raise GGUFError(f"{path}: missing required metadata key '{key}'")
-        return default
-    accepted = (int, float) if kind is float else kind
-    if not isinstance(value, accepted) or isinstance(value, bool):
-        raise GGUFError(f"{path}: metadata key '{key}' should be {kind.__name__} but is {type(value).__name__}")
-    if kind is float:
-        value = float(value)
-        if not math.isfinite(value):
-            raise GGUFError(f"{path}: metadata key '{key}' is {value}; it must be finite")
-    return value
-
-
 def _model_config(path: str, metadata: dict, tensors: dict[str, TensorInfo]) -> ModelConfig:
-    """Read and check the hyperparameters of a supported architecture."""
+    """The architecture's description of the model, read and checked by its module (npllama.arch)."""
     arch = _key(path, metadata, "general.architecture", str)
-    if arch not in SUPPORTED_ARCHS:
+    if arch not in ARCHS:
         raise GGUFError(f"{path}: architecture '{arch}' is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
-
-    def positive(suffix: str, default=_REQUIRED) -> int:
-        value = _key(path, metadata, f"{arch}.{suffix}", int, default)
-        if value <= 0:
-            raise GGUFError(f"{path}: metadata key '{arch}.{suffix}' is {value}; it must be positive")
-        return value
-
-    n_layer = positive("block_count")
-    n_embd = positive("embedding_length")
-    n_head = positive("attention.head_count")
-    n_head_kv = positive("attention.head_count_kv", n_head)
-    if n_head % n_head_kv:
-        raise GGUFError(f"{path}: n_head ({n_head}) is not divisible by n_head_kv ({n_head_kv})")
-    if f"{arch}.attention.key_length" not in metadata and n_embd % n_head:
-        raise GGUFError(f"{path}: n_embd ({n_embd}) is not divisible by n_head ({n_head}) "
-                        f"and there is no '{arch}.attention.key_length'")
-    head_dim = positive("attention.key_length", n_embd // n_head)
-    rope_dim = positive("rope.dimension_count", head_dim)
-    if rope_dim > head_dim or rope_dim % 2:
-        raise GGUFError(f"{path}: rope dimension count {rope_dim} must be even and at most head_dim ({head_dim})")
-    if "token_embd.weight" not in tensors:
-        raise GGUFError(f"{path}: missing required tensor 'token_embd.weight'")
-    tokens = metadata.get("tokenizer.ggml.tokens")
-    default_vocab = len(tokens) if isinstance(tokens, list) else tensors["token_embd.weight"].shape[0]
-
-    rope_base = _key(path, metadata, f"{arch}.rope.freq_base", float, 10000.0)
-    rms_eps = _key(path, metadata, f"{arch}.attention.layer_norm_rms_epsilon", float)
-    for key, value in (("rope.freq_base", rope_base), ("attention.layer_norm_rms_epsilon", rms_eps)):
-        if value <= 0:
-            raise GGUFError(f"{path}: metadata key '{arch}.{key}' is {value}; it must be positive")
-    scaling_type = _key(path, metadata, f"{arch}.rope.scaling.type", str, None)
-    scaling_factor = _key(path, metadata, f"{arch}.rope.scaling.factor", float, 0.0)
-    linear_scale = _key(path, metadata, f"{arch}.rope.scale_linear", float, 0.0)  # older files
-    if linear_scale and scaling_type is None:
-        scaling_type, scaling_factor = "linear", linear_scale
-    if scaling_factor < 0:
-        raise GGUFError(f"{path}: rope scaling factor {scaling_factor} is negative")
-
-    return ModelConfig(
-        arch=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
-        n_ff=positive("feed_forward_length"), n_vocab=positive("vocab_size", default_vocab),
-        n_ctx=positive("context_length"), rope_base=rope_base, rope_dim=rope_dim,
-        rope_scaling_type=None if scaling_type == "none" else scaling_type,
-        rope_scaling_factor=scaling_factor or 1.0,  # llama.cpp reads 0 as "no scaling"
-        rope_neox=arch in _NEOX_ARCHS, rms_eps=rms_eps,
-        tied_output="output.weight" not in tensors,
-        attn_bias="blk.0.attn_q.bias" in tensors, has_rope_freqs="rope_freqs.weight" in tensors,
-    )
+    return ModelConfig(**ARCHS[arch].configure(Meta(path, metadata, tensors, arch)))
 
 
 def _check_tensors(path: str, cfg: ModelConfig, tensors: dict[str, TensorInfo]) -> None:
     """GGUFError for a missing required tensor or one whose shape disagrees with the config."""
-    q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
-    heads = f"n_head={cfg.n_head}, head_dim={cfg.head_dim}, n_embd={cfg.n_embd}"
-    kv_heads = f"n_head_kv={cfg.n_head_kv}, head_dim={cfg.head_dim}, n_embd={cfg.n_embd}"
-    ffn = f"n_ff={cfg.n_ff}, n_embd={cfg.n_embd}"
-    per_layer = {
-        "attn_norm.weight": ((cfg.n_embd,), f"n_embd={cfg.n_embd}"),
-        "attn_q.weight": ((q_dim, cfg.n_embd), heads),
-        "attn_k.weight": ((kv_dim, cfg.n_embd), kv_heads),
-        "attn_v.weight": ((kv_dim, cfg.n_embd), kv_heads),
-        "attn_output.weight": ((cfg.n_embd, q_dim), heads),
-        "ffn_norm.weight": ((cfg.n_embd,), f"n_embd={cfg.n_embd}"),
-        "ffn_gate.weight": ((cfg.n_ff, cfg.n_embd), ffn),
-        "ffn_up.weight": ((cfg.n_ff, cfg.n_embd), ffn),
-        "ffn_down.weight": ((cfg.n_embd, cfg.n_ff), ffn),
-    }
-    if cfg.attn_bias:
-        per_layer["attn_q.bias"] = ((q_dim,), f"n_head={cfg.n_head}, head_dim={cfg.head_dim}")
-        per_layer["attn_k.bias"] = ((kv_dim,), f"n_head_kv={cfg.n_head_kv}, head_dim={cfg.head_dim}")
-        per_layer["attn_v.bias"] = ((kv_dim,), f"n_head_kv={cfg.n_head_kv}, head_dim={cfg.head_dim}")
+    per_layer = ARCHS[cfg.arch].tensors(cfg)
     vocab = f"n_vocab={cfg.n_vocab}, n_embd={cfg.n_embd}"
     expected = {
         "token_embd.weight": ((cfg.n_vocab, cfg.n_embd), vocab),
@@ -415,6 +307,8 @@ def _check_tensors(path: str, cfg: ModelConfig, tensors: dict[str, TensorInfo]) 
     optional = {
         "output.weight": ((cfg.n_vocab, cfg.n_embd), vocab),
         "rope_freqs.weight": ((cfg.rope_dim // 2,), f"rope_dim={cfg.rope_dim}"),
+        "rope_factors_long.weight": ((cfg.rope_dim // 2,), f"rope_dim={cfg.rope_dim}"),
+        "rope_factors_short.weight": ((cfg.rope_dim // 2,), f"rope_dim={cfg.rope_dim}"),
     }
     for name, (shape, why) in expected.items():
         _check_shape(path, tensors, name, shape, why, required=True)

@@ -87,6 +87,11 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = N
     return res.reshape(np.shape(x))
 
 
+ACTS = {"silu": 0, "gelu_tanh": 1}  # FFN activations by name -> the code the kernels take
+_GELU_C = np.float32(2.0 * 0.7978845608028654)  # 2 sqrt(2 / pi)
+_GELU_A = np.float32(0.044715)
+
+
 @njit(cache=True, fastmath=_FM, error_model="numpy")
 def _swiglu_row(gate, up, out):
     # gate, up, out: (n,); out = silu(gate) * up (no division check: the loop vectorizes)
@@ -95,36 +100,63 @@ def _swiglu_row(gate, up, out):
         out[i] = g / (np.float32(1.0) + _exp(-g)) * up[i]
 
 
+@njit(cache=True, fastmath=_FM, error_model="numpy")
+def _geglu_row(gate, up, out):
+    # gate, up, out: (n,); out = gelu_tanh(gate) * up, where gelu_tanh(g) =
+    # g/2 (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) = g / (1 + exp(-2 sqrt(2/pi) (g + 0.044715 g^3)))
+    for i in range(gate.shape[0]):
+        g = gate[i]
+        out[i] = g / (np.float32(1.0) + _exp(-_GELU_C * (g + _GELU_A * g * g * g))) * up[i]
+
+
+@njit(cache=True)
+def _glu_row(gate, up, out, act):
+    """out = act(gate) * up for an activation code of ACTS."""
+    if act == 1:
+        _geglu_row(gate, up, out)
+    else:
+        _swiglu_row(gate, up, out)
+
+
 @njit(parallel=True, cache=True, fastmath=_FM)
-def _swiglu(gate, up, out):
+def _glu(gate, up, out, act):
     # gate, up, out: (S, n)
     for s in prange(gate.shape[0]):
-        _swiglu_row(gate[s], up[s], out[s])
+        _glu_row(gate[s], up[s], out[s], act)
 
 
-def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """`silu(gate) * up`, elementwise, for (n,) or (S, n) inputs of equal shape."""
+def glu(gate: np.ndarray, up: np.ndarray, act: str = "silu", out: np.ndarray | None = None) -> np.ndarray:
+    """`act(gate) * up`, elementwise, for (n,) or (S, n) inputs of equal shape; `act` is
+    "silu" (SwiGLU) or "gelu_tanh" (GeGLU, GELU with the tanh approximation)."""
+    if act not in ACTS:
+        raise ValueError(f"glu: activation must be one of {', '.join(ACTS)}, got {act!r}")
     if np.shape(gate) != np.shape(up):
-        raise ValueError(f"swiglu: gate has shape {np.shape(gate)} but up has {np.shape(up)}")
+        raise ValueError(f"glu: gate has shape {np.shape(gate)} but up has {np.shape(up)}")
     shape = np.shape(gate)
     g = np.ascontiguousarray(gate, dtype=np.float32).reshape(-1, shape[-1])
     u = np.ascontiguousarray(up, dtype=np.float32).reshape(g.shape)
     res = np.empty_like(g) if out is None else out.reshape(g.shape)
-    _swiglu(g, u, res)
+    _glu(g, u, res, ACTS[act])
     return res.reshape(shape)
+
+
+def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """`silu(gate) * up`, elementwise, for (n,) or (S, n) inputs of equal shape."""
+    return glu(gate, up, "silu", out)
 
 
 class RopeTable:
     """cos and sin of every (position, frequency) pair, computed once in float64, stored as float32.
 
     `cos`, `sin`: (n_ctx, rope_dim // 2). Frequency i is `base ** (-2i / rope_dim)`, divided by
-    `freq_factors[i]` when the model ships them (Llama 3's `rope_freqs`); linear scaling divides
-    the position by `scale`. `neox` selects the pairing: NeoX halves (x[i], x[i + d/2]) when True,
+    `freq_factors[i]` when the model ships them (Llama 3's `rope_freqs`, LongRoPE's factors);
+    linear scaling divides the position by `scale`; cos and sin are multiplied by `mscale`
+    (LongRoPE's attention factor). `neox` selects the pairing: NeoX halves (x[i], x[i + d/2]) when True,
     adjacent pairs (x[2i], x[2i+1]) as llama GGUFs store them when False.
     """
 
     def __init__(self, n_ctx: int, rope_dim: int, base: float, *, neox: bool = False,
-                 scale: float = 1.0, freq_factors: np.ndarray | None = None):
+                 scale: float = 1.0, freq_factors: np.ndarray | None = None, mscale: float = 1.0):
         if rope_dim <= 0 or rope_dim % 2:
             raise ValueError(f"rope_dim must be a positive even number, got {rope_dim}")
         inv = base ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
@@ -134,8 +166,8 @@ class RopeTable:
             inv = inv / np.asarray(freq_factors, dtype=np.float64)
         ang = np.outer(np.arange(n_ctx, dtype=np.float64) / scale, inv)
         self.n_ctx, self.rope_dim, self.neox = n_ctx, rope_dim, neox
-        self.cos = np.cos(ang).astype(np.float32)  # (n_ctx, rope_dim // 2)
-        self.sin = np.sin(ang).astype(np.float32)  # (n_ctx, rope_dim // 2)
+        self.cos = (np.cos(ang) * mscale).astype(np.float32)  # (n_ctx, rope_dim // 2)
+        self.sin = (np.sin(ang) * mscale).astype(np.float32)  # (n_ctx, rope_dim // 2)
 
     def check(self, positions: np.ndarray) -> None:
         """Raise ContextOverflowError if any position lies outside [0, n_ctx)."""

@@ -1,4 +1,6 @@
-"""The llama-family transformer (SmolLM2, TinyLlama, Llama 2/3, Qwen2) computed on GGUF weights.
+"""A transformer computed on GGUF weights, as its architecture describes it (npllama.arch):
+the llama family (SmolLM2, TinyLlama, Llama 2/3, Mistral, Qwen2), Gemma 3, Qwen 3, Qwen 3 MoE,
+SmolLM3 and Phi-3.
 
 `Model.forward(ids, pos, cache)` is the one place a forward pass happens. It reads the position
 it is given only to check it against `cache.length`: the cache is the single owner of position
@@ -7,63 +9,23 @@ state, and a `Session` (session.py) is the friendly way to drive it.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import numpy as np
 
-from . import batch, quants, textapi
+from . import batch, block, textapi
+from .arch import ARCHS
 from .attention import attend
 from .batch import matmul_rows as mm  # x @ W.T reading each weight row once, for a few to a few hundred rows of x
 from .chat import validate_messages
-from .errors import GGUFError, PositionError
-from .gguf_file import GGUFFile, ModelConfig, TensorInfo
-from .kernels import RopeTable, rmsnorm, swiglu
+from .errors import PositionError
+from .gguf_file import GGUFFile, ModelConfig
+from .kernels import rmsnorm
 from .kvcache import KVCache
+from .rope import Ropes
 from .threads import check_threads, physical_cores, using_threads
+from .weights import Layer, QWeight, f32
 
-
-@dataclass(frozen=True)
-class QWeight:
-    """A weight matrix kept in its GGUF block format; products run directly on the blocks."""
-    name: str
-    data: np.ndarray  # (rows, row_bytes) uint8, a zero-copy view of the file
-    qtype: int
-    rows: int         # output features
-    cols: int         # input features
-
-    @classmethod
-    def from_tensor(cls, t: TensorInfo) -> "QWeight":
-        rows, cols = t.shape
-        data = t.data if t.data.dtype == np.uint8 else t.data.view(np.uint8)
-        return cls(t.name, data.reshape(rows, -1), t.qtype, rows, cols)
-
-    def __matmul__(self, x: np.ndarray) -> np.ndarray:
-        """W @ x for x of shape (cols,), and x @ W.T for x of shape (S, cols)."""
-        return quants.matmul(self.data, self.qtype, x)
-
-    def rows_of(self, ids: np.ndarray) -> np.ndarray:
-        """Dequantized rows `ids` as float32 (len(ids), cols): an embedding lookup."""
-        return quants.dequantize(self.data[ids], self.qtype).reshape(len(ids), self.cols)
-
-
-@dataclass(frozen=True)
-class Layer:
-    attn_norm: np.ndarray  # (n_embd,)
-    wq: QWeight            # (n_head * head_dim, n_embd)
-    wk: QWeight            # (n_head_kv * head_dim, n_embd)
-    wv: QWeight            # (n_head_kv * head_dim, n_embd)
-    wo: QWeight            # (n_embd, n_head * head_dim)
-    bq: np.ndarray | None  # Qwen2's q/k/v biases
-    bk: np.ndarray | None
-    bv: np.ndarray | None
-    ffn_norm: np.ndarray   # (n_embd,)
-    w_gate: QWeight        # (n_ff, n_embd)
-    w_up: QWeight          # (n_ff, n_embd)
-    w_down: QWeight        # (n_embd, n_ff)
-
-
-def _f32(t: TensorInfo) -> np.ndarray:
-    return quants.dequantize(t.data, t.qtype).reshape(t.shape)
+__all__ = ["Model", "load", "Layer", "QWeight"]
 
 
 def _kv_dtype(kv_dtype, activations: str) -> np.dtype:
@@ -104,36 +66,14 @@ class Model:
         self.path = self.file.path
         self.config: ModelConfig = self.file.config
         self.threads = check_threads(threads) or physical_cores()
-        cfg, t = self.config, self.file.tensor
-        if cfg.rope_scaling_type not in (None, "linear"):
-            raise GGUFError(f"{self.path}: RoPE scaling '{cfg.rope_scaling_type}' is not supported "
-                            f"(npllama applies none, 'linear', and Llama 3's rope_freqs)")
-        opt = self.file.tensors.get
-        self.layers = [
-            Layer(
-                attn_norm=_f32(t(f"blk.{i}.attn_norm.weight")),
-                wq=QWeight.from_tensor(t(f"blk.{i}.attn_q.weight")),
-                wk=QWeight.from_tensor(t(f"blk.{i}.attn_k.weight")),
-                wv=QWeight.from_tensor(t(f"blk.{i}.attn_v.weight")),
-                wo=QWeight.from_tensor(t(f"blk.{i}.attn_output.weight")),
-                bq=_f32(opt(f"blk.{i}.attn_q.bias")) if opt(f"blk.{i}.attn_q.bias") else None,
-                bk=_f32(opt(f"blk.{i}.attn_k.bias")) if opt(f"blk.{i}.attn_k.bias") else None,
-                bv=_f32(opt(f"blk.{i}.attn_v.bias")) if opt(f"blk.{i}.attn_v.bias") else None,
-                ffn_norm=_f32(t(f"blk.{i}.ffn_norm.weight")),
-                w_gate=QWeight.from_tensor(t(f"blk.{i}.ffn_gate.weight")),
-                w_up=QWeight.from_tensor(t(f"blk.{i}.ffn_up.weight")),
-                w_down=QWeight.from_tensor(t(f"blk.{i}.ffn_down.weight")),
-            )
-            for i in range(cfg.n_layer)
-        ]
+        cfg, t, opt = self.config, self.file.tensor, self.file.tensors.get
+        arch = ARCHS[cfg.arch]
+        self.layers = [arch.load_layer(cfg, t, opt, i) for i in range(cfg.n_layer)]
         self.token_embd = QWeight.from_tensor(t("token_embd.weight"))
-        self.output_norm = _f32(t("output_norm.weight"))
+        self.output_norm = f32(t("output_norm.weight"))
         self.output = self.token_embd if cfg.tied_output else QWeight.from_tensor(t("output.weight"))
-        freqs = opt("rope_freqs.weight")
-        self.rope = RopeTable(
-            cfg.n_ctx, cfg.rope_dim, cfg.rope_base, neox=cfg.rope_neox,
-            scale=cfg.rope_scaling_factor if cfg.rope_scaling_type == "linear" else 1.0,
-            freq_factors=_f32(freqs) if freqs is not None else None)
+        names = {n for r in cfg.ropes for n in (r.factors, r.long_factors) if n}
+        self.ropes = Ropes(cfg, {n: f32(t(n)) for n in names})
         self._tokenizer = None
         self._plan = None
 
@@ -234,8 +174,9 @@ class Model:
         position cache.length. Kept short for one token: every line runs once per decoded
         token, after the weights have flushed the CPU caches."""
         pos = cache.length
-        self.rope.check_range(pos, pos + len(ids))
-        if len(ids) == 1 and output == "logits":  # the fused decode step runs its own threads
+        self.ropes.check_range(pos, pos + len(ids))
+        # the fused decode step runs its own threads (mixtures of experts take the prefill path)
+        if len(ids) == 1 and output == "logits" and not self.config.n_expert:
             if self._plan is None:
                 from .decode import DecodePlan
                 self._plan = DecodePlan(self, int8=self.activations == "int8")
@@ -253,7 +194,7 @@ class Model:
                 positions = np.arange(pos, pos + len(ids), dtype=np.int64)
                 # long prompts run in chunks, which bounds the activations' memory
                 outs = [self._forward(ids[i:i + PREFILL_CHUNK], positions[i:i + PREFILL_CHUNK], cache,
-                                      all_logits, output)
+                                      all_logits, output, pos + len(ids))
                         for i in range(0, len(ids), PREFILL_CHUNK)]
                 if output == "logits" and not all_logits:
                     return outs[-1]
@@ -262,43 +203,20 @@ class Model:
                 cache.truncate(pos)
                 raise
 
-    def _layers(self, x, positions, product, attention):
-        """The residual stream x (S, n_embd) of tokens at `positions` through every layer.
-
-        product(W, h): h @ W.T for a QWeight W; attention(li, q, k, v): stores layer li's new
-        keys and values k, v (S, KVH, D) and returns the attention output (S, H, D) of the
-        queries q (S, H, D) over everything stored: `forward` and batch.py's BLAS path differ
-        only there."""
-        cfg = self.config
-        S, H, KVH, D = x.shape[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim
-        for li, L in enumerate(self.layers):
-            h = rmsnorm(x, L.attn_norm, cfg.rms_eps)
-            q, k, v = product(L.wq, h), product(L.wk, h), product(L.wv, h)  # (S, H*D), (S, KVH*D) x 2
-            if L.bq is not None:
-                q += L.bq
-                k += L.bk
-                v += L.bv
-            q = self.rope.apply(q.reshape(S, H, D), positions)
-            k = self.rope.apply(k.reshape(S, KVH, D), positions)
-            a = attention(li, q, k, v.reshape(S, KVH, D))
-            x += product(L.wo, a.reshape(S, H * D))
-            h = rmsnorm(x, L.ffn_norm, cfg.rms_eps)
-            x += product(L.w_down, swiglu(product(L.w_gate, h), product(L.w_up, h)))
-        return x
-
-    def _forward(self, ids, positions, cache, all_logits, output):
+    def _forward(self, ids, positions, cache, all_logits, output, end):
         cfg = self.config
 
-        def cached_attention(li, q, k, v):
+        def cached_attention(li, q, k, v, window):
             cache.append(li, k, v)
-            return attend(q, cache.buffer(li), cache.layer_length(li))
+            return attend(q, cache.buffer(li), cache.layer_length(li), window=window, scale=cfg.attn_scale)
 
-        x = self._layers(self.token_embd.rows_of(ids), positions, mm, cached_attention)
+        x = block.run_layers(self, block.embed(self, ids), positions, block.Ops(cfg, mm, cached_attention), end)
         if output == "hidden":
             return rmsnorm(x, self.output_norm, cfg.rms_eps)
         if not all_logits:
             x = x[-1:]
         logits = mm(self.output, rmsnorm(x, self.output_norm, cfg.rms_eps))  # (S or 1, n_vocab)
+        block.softcap(logits, cfg.softcap)
         return logits if all_logits else logits[0]
 
 

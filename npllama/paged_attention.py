@@ -32,9 +32,10 @@ __all__ = ["paged_attend", "plan_blocks"]
 
 
 @njit(fastmath=_FASTMATH, cache=True)
-def _paged_block(q, kv, table, i0, pos0, g, scale, m, l, acc, s):
+def _paged_block(q, kv, table, i0, pos0, g, scale, window, m, l, acc, s):
     """Fold the keys of one sequence seen by query rows i0..i0+R-1 (positions pos0..pos0+R-1)
-    into their running state, for the G query heads of KV head g.
+    into their running state, for the G query heads of KV head g. With window > 0, a row at
+    position p sees only the keys t with p - t < window.
 
     q: (T, H, D); kv: (n_pages, ps, KVH, 2, D); table: (n_table,) page ids of the sequence.
     m, l: (R, G); acc: (R, G, D); s: (R, G, _BLOCK) scratch.
@@ -45,13 +46,14 @@ def _paged_block(q, kv, table, i0, pos0, g, scale, m, l, acc, s):
     h0 = g * G
     neg_inf = np.float32(-np.inf)
     t_end = pos0 + R  # the last row sees keys 0..pos0+R-1
-    for b0 in range(0, t_end, _BLOCK):
+    t_start = max(0, pos0 - window + 1) if window > 0 else 0  # the first row's first key
+    for b0 in range(t_start, t_end, _BLOCK):
         n = min(_BLOCK, t_end - b0)
         for j in range(n):
             t = b0 + j
             krow = kv[table[t // ps], t % ps, g, 0]  # (D,) view: read through the page table
             for r in range(R):
-                if t > pos0 + r:  # causal: a row sees only positions up to its own
+                if t > pos0 + r or (window > 0 and pos0 + r - t >= window):  # causal, and in the window
                     for gh in range(G):
                         s[r, gh, j] = neg_inf
                     continue
@@ -76,7 +78,7 @@ def _paged_block(q, kv, table, i0, pos0, g, scale, m, l, acc, s):
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
-def _paged_kernel(q, kv, tables, blk_seq, blk_row, blk_pos, blk_len, scale, out):
+def _paged_kernel(q, kv, tables, blk_seq, blk_row, blk_pos, blk_len, scale, window, out):
     """One task per (query block, KV head).
 
     q, out: (T, H, D); kv: (n_pages, ps, KVH, 2, D) float32 or uint16 (float16 bits);
@@ -97,7 +99,7 @@ def _paged_kernel(q, kv, tables, blk_seq, blk_row, blk_pos, blk_len, scale, out)
         l = np.zeros((R, G), dtype=np.float32)
         acc = np.zeros((R, G, D), dtype=np.float32)
         s = np.empty((R, G, _BLOCK), dtype=np.float32)
-        _paged_block(q, kv, tables[blk_seq[k]], i0, blk_pos[k], g, scale, m, l, acc, s)
+        _paged_block(q, kv, tables[blk_seq[k]], i0, blk_pos[k], g, scale, window, m, l, acc, s)
         for r in range(R):
             for gh in range(G):
                 inv = np.float32(1.0) / l[r, gh] if l[r, gh] > 0 else np.float32(0.0)
@@ -135,7 +137,7 @@ def plan_blocks(seq_of_token: np.ndarray, positions: np.ndarray, rows: int = _RO
 
 
 def paged_attend(q: np.ndarray, kv: np.ndarray, tables: np.ndarray, seq_of_token: np.ndarray,
-                 positions: np.ndarray, *, scale: float | None = None, blocks=None,
+                 positions: np.ndarray, *, scale: float | None = None, window: int = 0, blocks=None,
                  out: np.ndarray | None = None) -> np.ndarray:
     """Attention of packed queries over a paged KV layer buffer.
 
@@ -148,6 +150,7 @@ def paged_attend(q: np.ndarray, kv: np.ndarray, tables: np.ndarray, seq_of_token
         positions: (T,) absolute position of each query token; its keys (positions
             0..position of its own sequence) must already be written.
         scale: score scale, default 1 / sqrt(D).
+        window: when > 0, a query at position p sees only keys t with p - t < window.
         blocks: a precomputed `plan_blocks(seq_of_token, positions)` (shared by all layers).
 
     Returns (T, H, D) float32.
@@ -184,5 +187,7 @@ def paged_attend(q: np.ndarray, kv: np.ndarray, tables: np.ndarray, seq_of_token
         blocks = plan_blocks(seq_of_token, positions)
     kv_arg = kv.view(np.uint16) if kv.dtype == np.float16 else kv
     scale = np.float32(1.0 / math.sqrt(D) if scale is None else scale)
-    _paged_kernel(q, kv_arg, tables, *blocks, scale, out)
+    if isinstance(window, (bool, np.bool_)) or not isinstance(window, (int, np.integer)) or window < 0:
+        raise ValueError(f"paged_attend: window must be an integer >= 0, got {window!r}")
+    _paged_kernel(q, kv_arg, tables, *blocks, scale, int(window), out)
     return out

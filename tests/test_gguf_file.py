@@ -8,6 +8,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from npllama.errors import GGUFError
+from npllama.arch import Rope
 from npllama.gguf_file import GGUFFile, ModelConfig, TensorInfo
 from tinygguf import tiny_vocab, write_tiny_llama
 
@@ -68,6 +69,7 @@ def test_tiny_config(tiny_model_path):
         arch="llama", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=96, n_vocab=N_VOCAB,
         n_ctx=256, rope_base=10000.0, rope_dim=16, rope_scaling_type=None, rope_scaling_factor=1.0,
         rope_neox=False, rms_eps=cfg.rms_eps, tied_output=True, attn_bias=False, has_rope_freqs=False,
+        attn_scale=0.25, ropes=(Rope(10000.0),), layer_rope=(0, 0), layer_window=(0, 0),
     )
     assert cfg.rms_eps == pytest.approx(1e-5)
 

@@ -1,0 +1,108 @@
+"""The transformer block as its `ModelConfig` describes it, for many tokens at once: the
+prefill path (Model.forward) and the batched path (batch.forward_batch) both run
+`run_layers`, and differ only in the `Ops` they pass (how products, norms, RoPE and
+attention are computed). The fused single-token step (decode.py) reads the same
+description in compiled code.
+
+Per layer, with the flags of the description:
+    h = norm(x)                               attn_norm
+    q, k, v = products of h (+ biases)        split views of a fused qkv are separate weights
+    q, k = norm per head                      qk_norm (Gemma 3, Qwen 3)
+    q, k = RoPE with table layer_rope[i]      none when layer_rope[i] == -1 (NoPE)
+    a = attention(q, k, v)                    window layer_window[i], scale attn_scale
+    x += post_norm(wo a)                      post_norms (Gemma 3), else wo a
+    h = norm(x)                               ffn_norm
+    x += post_norm(ffn(h))                    down(act(gate h) * up h), or a mixture of experts
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .kernels import _rope, glu, rmsnorm
+
+
+class Ops:
+    """The prefill path's pieces: `product(W, h)` is the caller's (h @ W.T), `attention(li,
+    q, k, v, window)` stores layer li's new keys and values and returns the output (S, H, D)."""
+
+    def __init__(self, cfg, product, attention):
+        self.cfg, self.product, self.attention = cfg, product, attention
+
+    def norm(self, x, w):
+        return rmsnorm(x, w, self.cfg.rms_eps)
+
+    def qkv(self, L, h):
+        return self.product(L.wq, h), self.product(L.wk, h), self.product(L.wv, h)
+
+    def glu(self, gate, up, h):
+        """act(h @ gate.T) * (h @ up.T), the FFN's hidden activations."""
+        return glu(self.product(gate, h), self.product(up, h), self.cfg.act)
+
+    def rope(self, x, positions, cos, sin):
+        _rope(x, positions, cos, sin, self.cfg.rope_neox)
+
+
+def embed(model, ids: np.ndarray) -> np.ndarray:
+    """The residual stream's start: token embeddings (S, n_embd), scaled as the architecture says."""
+    x = model.token_embd.rows_of(ids)
+    if model.config.embd_scale != 1.0:
+        x *= np.float32(model.config.embd_scale)
+    return x
+
+
+def run_layers(model, x: np.ndarray, positions: np.ndarray, ops: Ops, end: int) -> np.ndarray:
+    """The residual stream x (S, n_embd) of tokens at `positions` through every layer (in
+    place); `end`: one past the call's last position (LongRoPE chooses its factors by it)."""
+    cfg = model.config
+    S, H, KVH, D = x.shape[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim
+    cos, sin = model.ropes.tables(end)
+    for li, L in enumerate(model.layers):
+        h = ops.norm(x, L.attn_norm)
+        q, k, v = ops.qkv(L, h)  # (S, H*D), (S, KVH*D) x 2
+        if L.bq is not None:
+            q += L.bq
+            k += L.bk
+            v += L.bv
+        q, k, v = q.reshape(S, H, D), k.reshape(S, KVH, D), v.reshape(S, KVH, D)
+        if cfg.qk_norm:
+            q, k = ops.norm(q, L.q_norm), ops.norm(k, L.k_norm)
+        table = cfg.layer_rope[li]
+        if table >= 0:
+            ops.rope(q, positions, cos[table], sin[table])
+            ops.rope(k, positions, cos[table], sin[table])
+        a = ops.attention(li, q, k, v, cfg.layer_window[li])
+        o = ops.product(L.wo, a.reshape(S, H * D))
+        x += ops.norm(o, L.post_attn_norm) if cfg.post_norms else o
+        h = ops.norm(x, L.ffn_norm)
+        f = moe(cfg, L, h, ops) if cfg.n_expert else ops.product(L.w_down, ops.glu(L.w_gate, L.w_up, h))
+        x += ops.norm(f, L.post_ffn_norm) if cfg.post_norms else f
+    return x
+
+
+def moe(cfg, L, h: np.ndarray, ops: Ops) -> np.ndarray:
+    """A mixture of experts for tokens h (S, n_embd): softmax over the router's scores, the
+    top n_expert_used experts, their weights renormalised to sum to 1, and the sum of their
+    GLU FFNs so weighted. Each expert runs once on the tokens routed to it."""
+    scores = ops.product(L.router, h)  # (S, n_expert)
+    p = np.exp(scores - scores.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    top = np.argsort(-p, axis=1, kind="stable")[:, :cfg.n_expert_used]  # (S, k), best first
+    w = np.take_along_axis(p, top, axis=1)
+    w /= w.sum(axis=1, keepdims=True)
+    out = np.zeros_like(h)
+    for e in np.unique(top):
+        rows, slot = np.nonzero(top == e)
+        gate, up, down = L.experts[e]
+        y = ops.product(down, ops.glu(gate, up, np.ascontiguousarray(h[rows])))
+        out[rows] += w[rows, slot, None] * y
+    return out
+
+
+def softcap(logits: np.ndarray, cap: float) -> np.ndarray:
+    """cap * tanh(logits / cap) in place (the final logit soft-cap; nothing when cap is 0)."""
+    if cap:
+        c = np.float32(cap)
+        np.divide(logits, c, out=logits)
+        np.tanh(logits, out=logits)
+        logits *= c
+    return logits
