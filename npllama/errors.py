@@ -16,3 +16,8 @@ class ContextOverflowError(ValueError):
 
 class ModelFetchError(RuntimeError):
     """The default model could not be fetched or verified."""
+
+
+class ChatTemplateError(ValueError):
+    """A chat template failed, or went past one of the bounds on what a template may build
+    (output size, string and list sizes, time); the message names the template and the bound."""
