@@ -17,6 +17,7 @@ Three vocabulary kinds are supported, chosen by the metadata key `tokenizer.ggml
 Every vocabulary is checked when it is built: the token, type and score arrays must agree in
 length, token texts must be unique valid text, types must lie in 1..6, and every merge must name
 two tokens whose concatenation is a token. Anything else is a GGUFError naming the key and entry.
+`check_metadata` runs these checks alone, without building the tokenizer.
 llama.cpp's own tokenizer test vectors check each supported kind (tests/llama_vocabs.py).
 
 Token types follow GGUF: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
@@ -42,7 +43,7 @@ from tokenizers import models, normalizers, pre_tokenizers
 from .chat import format_chat
 from .errors import GGUFError
 
-__all__ = ["Tokenizer", "StreamDecoder", "TOKEN_NORMAL", "TOKEN_UNKNOWN", "TOKEN_CONTROL",
+__all__ = ["Tokenizer", "StreamDecoder", "check_metadata", "TOKEN_NORMAL", "TOKEN_UNKNOWN", "TOKEN_CONTROL",
            "TOKEN_USER_DEFINED", "TOKEN_UNUSED", "TOKEN_BYTE"]
 
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
@@ -274,6 +275,94 @@ def _spm_merges(vocab: Mapping[str, int], scores: Sequence[float]) -> list[tuple
     return [(left, right) for _, left, right in ranked]
 
 
+@dataclass
+class _Vocabulary:
+    """Tokenizer metadata, checked: what `Tokenizer.from_metadata` builds from."""
+    model: str
+    pre: str | None
+    spec: _Pre | None  # byte-level BPE ("gpt2") only
+    tokens: list[str]
+    index: dict[str, int]
+    types: list[int]
+    scores: list[float] | None
+    merges: list[tuple[str, str]] | None  # None for SentencePiece: derived from the scores
+    bos_id: int | None
+    eos_id: int | None
+    unk_id: int | None
+    eot_ids: frozenset[int]
+    add_bos: bool
+    add_space_prefix: bool
+    chat_template: str | None
+
+
+def check_metadata(meta: Mapping[str, Any]) -> None:
+    """Raise GGUFError (a ValueError) unless `meta` holds a vocabulary npllama can tokenize with.
+
+    Checks, without building the tokenizer (a fraction of its cost): a supported
+    `tokenizer.ggml.model` and `tokenizer.ggml.pre`; a non-empty array of unique, valid text
+    tokens; token_type and scores arrays, when present, with one number per token (scores are
+    required by SentencePiece); token types within 1..6; every merge split at a space into two
+    tokens whose concatenation is a token; ids, flags and the chat template of the right type.
+    Each error names the key and the offending entry.
+    """
+    _read_vocabulary(meta)
+
+
+def _read_vocabulary(meta: Mapping[str, Any]) -> _Vocabulary:
+    model = _meta_str(meta, "tokenizer.ggml.model")
+    if model not in ("gpt2", "llama", "gemma4"):
+        raise GGUFError(f"unsupported tokenizer model tokenizer.ggml.model={model!r}; supported: 'gpt2' "
+                        "(byte-level BPE), 'llama' (SentencePiece BPE) and 'gemma4' (BPE on UTF-8 text)")
+    pre = _meta_str(meta, "tokenizer.ggml.pre")
+    spec = None
+    if model == "gpt2":
+        spec = _PRE.get(pre or "default")
+        if spec is None:
+            raise GGUFError(f"unsupported pre-tokenizer tokenizer.ggml.pre={pre!r}; "
+                            f"supported: {', '.join(sorted(_PRE))}")
+    tokens = _strings(meta, "tokenizer.ggml.tokens")
+    if not tokens:
+        raise GGUFError("GGUF metadata has no tokenizer.ggml.tokens: the file carries no vocabulary")
+    n_vocab = len(tokens)
+    index = _vocab_index(tokens)
+    types = _numbers(meta, "tokenizer.ggml.token_type", n_vocab, int)
+    scores = _numbers(meta, "tokenizer.ggml.scores", n_vocab, float)
+    if types is None:
+        types = [TOKEN_NORMAL] * n_vocab
+    for i, t in enumerate(types):
+        if not TOKEN_NORMAL <= t <= TOKEN_BYTE:
+            raise _bad("tokenizer.ggml.token_type", f"token #{i} {tokens[i]!r} has type {t}; "
+                                                    "GGUF token types are 1 (normal) to 6 (byte)")
+    bos_id = _meta_id(meta, "tokenizer.ggml.bos_token_id", n_vocab)
+    eos_id = _meta_id(meta, "tokenizer.ggml.eos_token_id", n_vocab)
+    unk_id = _meta_id(meta, "tokenizer.ggml.unknown_token_id", n_vocab)
+    if "tokenizer.ggml.token_type" not in meta:  # old files: only the declared specials are control
+        for tid in (bos_id, eos_id, unk_id):
+            if tid is not None:
+                types[tid] = TOKEN_CONTROL
+
+    merges = None
+    if model == "llama":  # SentencePiece: merges follow the scores
+        if scores is None:
+            raise GGUFError("a 'llama' (SentencePiece) vocabulary needs tokenizer.ggml.scores, one per token")
+        add_space_prefix = _meta_flag(meta, "tokenizer.ggml.add_space_prefix", True)
+    else:  # byte-level BPE, or gemma4's BPE on UTF-8 text with spaces as '▁': merges from the file
+        add_space_prefix = False
+        merges = _merge_pairs(_strings(meta, "tokenizer.ggml.merges") or [], index)
+
+    eot = {eos_id} if eos_id is not None else set()
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        tid = _meta_id(meta, key, n_vocab)
+        if tid is not None:
+            eot.add(tid)
+    eot.update(index[text] for text in _EOT_TEXTS if text in index)
+    add_bos = _meta_flag(meta, "tokenizer.ggml.add_bos_token", spec.add_bos if spec is not None else True)
+    return _Vocabulary(model=model, pre=pre, spec=spec, tokens=tokens, index=index, types=types, scores=scores,
+                       merges=merges, bos_id=bos_id, eos_id=eos_id, unk_id=unk_id, eot_ids=frozenset(eot),
+                       add_bos=add_bos, add_space_prefix=add_space_prefix,
+                       chat_template=_meta_str(meta, "tokenizer.chat_template"))
+
+
 class Tokenizer:
     """Encodes text to token ids and decodes them back, for one GGUF vocabulary.
 
@@ -306,76 +395,22 @@ class Tokenizer:
         """Build the tokenizer from GGUF metadata (key -> plain Python value).
 
         Reads `tokenizer.ggml.*` (model, pre, tokens, token_type, scores, merges, bos/eos/unknown/
-        eot/eom ids, add_bos_token, add_space_prefix) and `tokenizer.chat_template`.
-        Raises GGUFError (a ValueError) for a missing or inconsistent vocabulary (arrays of
-        different lengths, repeated tokens, token types outside 1..6, merges naming missing
-        tokens...) and for an unsupported tokenizer model or pre-tokenizer.
+        eot/eom ids, add_bos_token, add_space_prefix) and `tokenizer.chat_template`, checked as
+        `check_metadata` describes (GGUFError, a ValueError, when they do not pass).
         """
-        model = _meta_str(meta, "tokenizer.ggml.model")
-        if model not in ("gpt2", "llama", "gemma4"):
-            raise GGUFError(f"unsupported tokenizer model tokenizer.ggml.model={model!r}; supported: 'gpt2' "
-                            "(byte-level BPE), 'llama' (SentencePiece BPE) and 'gemma4' (BPE on UTF-8 text)")
-        pre = _meta_str(meta, "tokenizer.ggml.pre")
-        spec = None
-        if model == "gpt2":
-            spec = _PRE.get(pre or "default")
-            if spec is None:
-                raise GGUFError(f"unsupported pre-tokenizer tokenizer.ggml.pre={pre!r}; "
-                                f"supported: {', '.join(sorted(_PRE))}")
-        tokens = _strings(meta, "tokenizer.ggml.tokens")
-        if not tokens:
-            raise GGUFError("GGUF metadata has no tokenizer.ggml.tokens: the file carries no vocabulary")
-        n_vocab = len(tokens)
-        index = _vocab_index(tokens)
-        types = _numbers(meta, "tokenizer.ggml.token_type", n_vocab, int)
-        scores = _numbers(meta, "tokenizer.ggml.scores", n_vocab, float)
-        if types is None:  # old files: only the declared specials are control
-            types = [TOKEN_NORMAL] * n_vocab
-        for i, t in enumerate(types):
-            if not TOKEN_NORMAL <= t <= TOKEN_BYTE:
-                raise _bad("tokenizer.ggml.token_type", f"token #{i} {tokens[i]!r} has type {t}; "
-                                                        "GGUF token types are 1 (normal) to 6 (byte)")
-        bos_id = _meta_id(meta, "tokenizer.ggml.bos_token_id", n_vocab)
-        eos_id = _meta_id(meta, "tokenizer.ggml.eos_token_id", n_vocab)
-        unk_id = _meta_id(meta, "tokenizer.ggml.unknown_token_id", n_vocab)
-        if "tokenizer.ggml.token_type" not in meta:
-            for tid in (bos_id, eos_id, unk_id):
-                if tid is not None:
-                    types[tid] = TOKEN_CONTROL
-
-        if spec is not None:
-            add_bos_default, add_space_prefix = spec.add_bos, False
-            merges = _merge_pairs(_strings(meta, "tokenizer.ggml.merges") or [], index)
-            hf = cls._build_byte_level(index, merges, spec)
+        v = _read_vocabulary(meta)
+        if v.spec is not None:
+            hf = cls._build_byte_level(v.index, v.merges, v.spec)
         else:
-            unk = tokens[unk_id] if unk_id is not None else None
-            add_bos_default = True
-            if model == "gemma4":  # merges from the file, on raw UTF-8 text with spaces as '▁'
-                add_space_prefix = False
-                merges = _merge_pairs(_strings(meta, "tokenizer.ggml.merges") or [], index)
-            else:  # SentencePiece: merges follow the scores
-                if scores is None:
-                    raise GGUFError("a 'llama' (SentencePiece) vocabulary needs tokenizer.ggml.scores, one per token")
-                add_space_prefix = _meta_flag(meta, "tokenizer.ggml.add_space_prefix", True)
-                merges = _spm_merges(index, scores)
-            hf = cls._build_spm(index, merges, unk, add_space_prefix)
-
+            merges = v.merges if v.merges is not None else _spm_merges(v.index, v.scores)
+            unk = v.tokens[v.unk_id] if v.unk_id is not None else None
+            hf = cls._build_spm(v.index, merges, unk, v.add_space_prefix)
         # Matched as a whole before BPE (on the raw text); control ones only with special=True.
-        hf.add_tokens([AddedToken(tokens[i], special=(t == TOKEN_CONTROL), normalized=False)
-                       for i, t in enumerate(types) if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED)])
-
-        eot = {eos_id} if eos_id is not None else set()
-        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
-            tid = _meta_id(meta, key, n_vocab)
-            if tid is not None:
-                eot.add(tid)
-        eot.update(index[text] for text in _EOT_TEXTS if text in index)
-
-        return cls(model=model, pre=pre, tokens=tokens, token_types=types, hf=hf, bos_id=bos_id, eos_id=eos_id,
-                   eot_ids=frozenset(eot),
-                   add_bos=_meta_flag(meta, "tokenizer.ggml.add_bos_token", add_bos_default),
-                   add_space_prefix=add_space_prefix,
-                   chat_template=_meta_str(meta, "tokenizer.chat_template"))
+        hf.add_tokens([AddedToken(v.tokens[i], special=(t == TOKEN_CONTROL), normalized=False)
+                       for i, t in enumerate(v.types) if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED)])
+        return cls(model=v.model, pre=v.pre, tokens=v.tokens, token_types=v.types, hf=hf, bos_id=v.bos_id,
+                   eos_id=v.eos_id, eot_ids=v.eot_ids, add_bos=v.add_bos, add_space_prefix=v.add_space_prefix,
+                   chat_template=v.chat_template)
 
     @staticmethod
     def _build_byte_level(vocab: dict[str, int], merges: list[tuple[str, str]], spec: _Pre) -> _HFTokenizer:

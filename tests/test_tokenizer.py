@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from npllama.errors import GGUFError, ModelFetchError
 from npllama.gguf_file import read_metadata
 from npllama.hub import known_model_path
-from npllama.tokenizer import TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_USER_DEFINED, StreamDecoder, Tokenizer
+from npllama.tokenizer import (TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_USER_DEFINED, StreamDecoder, Tokenizer,
+                               check_metadata)
 from fuzz_targets_tokenizer import CORPUS as FUZZ_CORPUS
 from fuzz_targets_tokenizer import base_metadata, fuzz_tokenizer_one_input, tokenizer_seeds
 from llama_vocabs import VocabFetchError, read_vectors, vocab_dir, vocab_names
@@ -197,8 +198,13 @@ def test_inconsistent_vocabulary_is_refused_when_built(overrides, message):
         return
     with pytest.raises(GGUFError, match=message):
         Tokenizer.from_metadata(meta)
+    with pytest.raises(GGUFError, match=message):  # the same check without building the tokenizer
+        check_metadata(meta)
 
 
+def test_check_metadata_passes_valid_vocabularies():
+    check_metadata(gpt2_meta())
+    check_metadata(spm_meta())
 @pytest.mark.parametrize("pre, pieces", [
     ("gpt2", ["123", "4"]),        # ' ?\p{N}+' keeps the run; BPE merges what it can
     ("smollm", ["1", "2", "3", "4"]),  # every digit on its own
