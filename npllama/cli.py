@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .errors import GGUFError, ModelFetchError
@@ -78,6 +79,9 @@ def cmd_run(args) -> int:
         raise ValueError("the prompt is empty: pass PROMPT, or text on standard input")
     if not args.raw and model.tokenizer.chat_template:
         prompt = model.format_chat([{"role": "user", "content": prompt}])
+    elif not args.raw:
+        print("npllama: this model has no chat template (a base model): the prompt is sent as it is",
+              file=sys.stderr)
     ids = model.tokenize(prompt, special=not args.raw)
     pieces = model.generate(ids, max_tokens=args.max_tokens, stream=True, ctx=args.ctx, stop=args.stop or (),
                             **_sampling_kwargs(args))
@@ -89,6 +93,9 @@ def cmd_run(args) -> int:
 
 def cmd_chat(args) -> int:
     model = _load(args)
+    if model.tokenizer.chat_template is None:
+        raise ValueError(f"{os.path.basename(model.path)} has no chat template: it is a base model, not made for "
+                         f"chat; use `npllama run PROMPT` (which sends the prompt as it is) instead")
     conv = model.chat_session(system=args.system, ctx=args.ctx, max_tokens=args.max_tokens,
                               **_sampling_kwargs(args))
     print("npllama chat: /reset starts over, /exit (or Ctrl-D) quits", file=sys.stderr)

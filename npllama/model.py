@@ -95,8 +95,13 @@ class Model:
         return self.tokenizer.decode(ids)
 
     def format_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
-        """`messages` rendered with the model's chat template, as HF's apply_chat_template does."""
+        """`messages` rendered with the model's chat template, as HF's apply_chat_template does.
+        A model without one (a base model) raises ValueError: it has no chat format to follow."""
         validate_messages(messages)
+        if self.tokenizer.chat_template is None:
+            raise ValueError(f"{os.path.basename(self.path)} has no chat template (tokenizer.chat_template): it is "
+                             f"a base model, not made for chat. Use generate()/complete() with a plain prompt "
+                             f"(`npllama run` sends the prompt as it is)")
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
     generate = textapi.generate
