@@ -21,6 +21,19 @@ def test_rmsnorm(shape):
     np.testing.assert_allclose(rmsnorm(x, w, 1e-5), ref_rmsnorm(x, w, 1e-5), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("eps", [1e-6, 1e-5, 1e-2])
+def test_rmsnorm_eps_where_it_matters(eps):
+    """Inputs so small (mean square 1e-8) that eps sets the scale: a kernel that dropped eps, or
+    used another, would be off by orders of magnitude."""
+    x = (rng.standard_normal((3, 64)) * 1e-4).astype(np.float32)
+    w = rng.standard_normal(64).astype(np.float32)
+    got = rmsnorm(x, w, eps)
+    np.testing.assert_allclose(got, ref_rmsnorm(x, w, eps), rtol=1e-5, atol=1e-9)
+    for other in (0.0, eps * 10):
+        assert not np.allclose(got, ref_rmsnorm(x, w, other), rtol=1e-2, atol=0)
+    np.testing.assert_allclose(rmsnorm(np.zeros(8, np.float32), np.ones(8, np.float32), eps), 0.0)  # 0/sqrt(eps)
+
+
 def test_rmsnorm_non_contiguous_and_bad_weight():
     x = rng.standard_normal((6, 40)).astype(np.float32)[::2, ::2]
     w = rng.standard_normal(20).astype(np.float32)
@@ -67,14 +80,14 @@ def test_swiglu(shape):
         swiglu(g, u[..., :1] if shape[-1] > 1 else np.ones(2, np.float32))
 
 
-def ref_rope(x, positions, base, rope_dim, neox, factors=None):
-    """Rotate with complex numbers; pairs picked by the convention."""
+def ref_rope(x, positions, base, rope_dim, neox, factors=None, mscale=1.0):
+    """Rotate with complex numbers (scaled by `mscale`); pairs picked by the convention."""
     x = x.astype(np.float64).copy()
     inv = base ** (-np.arange(0, rope_dim, 2) / rope_dim)
     if factors is not None:
         inv = inv / factors
     ang = positions[:, None] * inv[None, :]  # (S, rope_dim/2)
-    rot = np.exp(1j * ang)[:, None, :]
+    rot = mscale * np.exp(1j * ang)[:, None, :]
     half = rope_dim // 2
     if neox:
         z = (x[..., :half] + 1j * x[..., half:rope_dim]) * rot
@@ -109,6 +122,28 @@ def test_rope_freq_factors():
     positions = np.array([5, 63])
     expect = ref_rope(x, positions.astype(np.float64), 500000.0, 8, False, factors)
     np.testing.assert_allclose(table.apply(x.copy(), positions), expect, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("scale", [2.0, 4.0, 8.0])
+def test_rope_linear_scaling(neox, scale):
+    """Linear scaling: position p rotates as p / scale would unscaled (positions past the
+    original context land inside it)."""
+    table = RopeTable(4096, 16, 10000.0, neox=neox, scale=scale)
+    x = rng.standard_normal((4, 3, 20)).astype(np.float32)
+    positions = np.array([1, 5, 999, 4095])
+    got = table.apply(x.copy(), positions)
+    np.testing.assert_allclose(got, ref_rope(x, positions / scale, 10000.0, 16, neox), rtol=1e-4, atol=2e-5)
+    assert not np.allclose(got, ref_rope(x, positions.astype(np.float64), 10000.0, 16, neox), atol=1e-2)
+    np.testing.assert_array_equal(got[..., 16:], x[..., 16:])  # dims past rope_dim untouched
+
+
+def test_rope_mscale_scales_the_rotated_dims():
+    table = RopeTable(64, 8, 10000.0, scale=2.0, mscale=1.3)
+    x = rng.standard_normal((2, 2, 12)).astype(np.float32)
+    positions = np.array([3, 50])
+    got = table.apply(x.copy(), positions)
+    np.testing.assert_allclose(got, ref_rope(x, positions / 2.0, 10000.0, 8, False, mscale=1.3), rtol=1e-4, atol=2e-5)
 
 
 def test_rope_tables_are_float32_from_float64_math():
