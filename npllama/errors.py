@@ -21,3 +21,8 @@ class ModelFetchError(RuntimeError):
 class ChatTemplateError(ValueError):
     """A chat template failed, or went past one of the bounds on what a template may build
     (output size, string and list sizes, time); the message names the template and the bound."""
+
+
+class MemoryLimitError(ValueError):
+    """An allocation (a context's KV cache, a KV pool) would not fit in the memory available; it
+    was refused before it was tried, with the bytes needed and available."""

@@ -18,11 +18,15 @@ Storage is float32 or float16; kernels read a float16 cache through `npllama.f16
 All layers share one capacity. When an append needs more room, capacity grows to the larger
 of twice the old capacity and the next power of two that holds the request (so a cache
 built with capacity 0 goes 0 -> 1 -> 2 -> 4 ...), and the filled rows are copied once into
-the new array. Appends write only the new rows, in place.
+the new array. Appends write only the new rows, in place. A capacity that does not fit in the
+memory available is refused before it is allocated (`memory.check_fits`); growth asks
+for just the positions needed when doubling would not fit.
 """
 from __future__ import annotations
 
 import numpy as np
+
+from . import memory
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
@@ -65,7 +69,13 @@ class KVCache:
         self._buf = self._alloc(self._capacity)
         self._lens = [0] * self.n_layers
 
+    def _nbytes(self, capacity: int) -> int:
+        return self.n_layers * capacity * self.n_kv_heads * 2 * self.head_dim * self.dtype.itemsize
+
     def _alloc(self, capacity: int) -> np.ndarray:
+        memory.check_fits(self._nbytes(capacity), f"a {self.dtype} KV cache of {capacity} positions ({self.n_layers} "
+                   f"layers x {self.n_kv_heads} KV heads x {self.head_dim})",
+                   "use a shorter context" + (", or a float16 KV cache" if self.dtype == np.float32 else ""))
         return np.empty((self.n_layers, capacity, self.n_kv_heads, 2, self.head_dim), dtype=self.dtype)
 
     @property
@@ -108,6 +118,9 @@ class KVCache:
         if n <= self._capacity:
             return
         new_cap = max(2 * self._capacity, 1 << (n - 1).bit_length())
+        avail = memory.available_bytes()
+        if avail is not None and self._nbytes(new_cap) > avail:
+            new_cap = n  # doubling would not fit: just what was asked for (which `_alloc` checks)
         new = self._alloc(new_cap)
         for layer, filled in enumerate(self._lens):
             new[layer, :filled] = self._buf[layer, :filled]

@@ -28,8 +28,11 @@ starting with the same tokens shares those pages instead of computing them again
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
+
+from .memory import check_fits
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
@@ -114,6 +117,10 @@ class KVPool:
         self.n_layers, self.n_kv_heads, self.head_dim = int(n_layers), int(n_kv_heads), int(head_dim)
         self.n_pages, self.page_size, self.dtype = int(n_pages), int(page_size), dtype
         shape = (self.n_pages, self.page_size, self.n_kv_heads, 2, self.head_dim)
+        check_fits(self.n_layers * math.prod(shape) * dtype.itemsize,
+                   f"a {dtype} KV pool of {self.n_pages} pages x {self.page_size} positions ({self.n_layers} "
+                   f"layers x {self.n_kv_heads} KV heads x {self.head_dim})",
+                   "use fewer pages (fewer or shorter sequences)" + (", or float16" if dtype == np.float32 else ""))
         self._bufs = tuple(np.zeros(shape, dtype) for _ in range(self.n_layers))
         # flat views (n_pages * page_size, KVH, 2, D) of the same memory, for slot scatters
         self._flat = tuple(b.reshape(-1, self.n_kv_heads, 2, self.head_dim) for b in self._bufs)

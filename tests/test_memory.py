@@ -1,0 +1,48 @@
+"""Allocations that cannot fit are refused up front, with the bytes needed and available."""
+import numpy as np
+import pytest
+
+from npllama import memory
+from npllama.errors import MemoryLimitError
+from npllama.kvcache import KVCache
+from npllama.kvpool import KVPool
+
+GiB = 2**30
+
+
+def test_available_bytes_is_plausible():
+    avail = memory.available_bytes()
+    assert avail is not None and 0 < avail < 2**50  # Linux: /proc/meminfo
+
+
+def test_kv_cache_too_large_is_refused_with_the_numbers(monkeypatch):
+    monkeypatch.setattr(memory, "available_bytes", lambda: 3 * GiB)
+    # 30 layers x 3 KV heads x 64 x 2 (K and V) x 4 bytes = 46080 bytes per position
+    with pytest.raises(MemoryLimitError, match=r"a float32 KV cache of 131072 positions \(30 layers x 3 KV heads "
+                                               r"x 64\) needs 5.62 GiB \(6039797760 bytes\), but only 3.00 GiB of "
+                                               r"memory is available; use a shorter context, or a float16 KV cache"):
+        KVCache(30, 3, 64, capacity=131072)
+    assert KVCache(30, 3, 64, capacity=65536, dtype=np.float16).nbytes == 1509949440  # fits
+
+
+def test_kv_cache_growth_asks_for_what_is_needed_when_doubling_would_not_fit(monkeypatch):
+    c = KVCache(1, 1, 256, capacity=1024)  # 2 KiB per position
+    monkeypatch.setattr(memory, "available_bytes", lambda: 1800 * 2048)
+    c.ensure_capacity(1500)  # doubling to 2048 positions would need 4 MiB
+    assert c.capacity == 1500
+    with pytest.raises(MemoryLimitError, match="KV cache of 5000 positions .* needs 0.01 GiB"):
+        c.ensure_capacity(5000)
+    assert c.capacity == 1500  # unchanged
+
+
+def test_kv_pool_too_large_is_refused_with_the_numbers(monkeypatch):
+    monkeypatch.setattr(memory, "available_bytes", lambda: GiB)
+    with pytest.raises(MemoryLimitError, match=r"a float32 KV pool of 100000 pages x 16 positions \(30 layers "
+                                               r"x 3 KV heads x 64\) needs 68.66 GiB .* only 1.00 GiB .* use fewer pages"):
+        KVPool(30, 3, 64, n_pages=100000)
+
+
+def test_real_limit_refuses_an_absurd_context():
+    """No monkeypatching: a context of 2**40 positions cannot fit on any machine."""
+    with pytest.raises(MemoryLimitError, match="needs .* GiB .* of memory is available"):
+        KVCache(30, 3, 64, capacity=2**40)
