@@ -97,7 +97,9 @@ def test_greedy_follows_reference_as_long_as_llama_cpp(variant):
             return n
         print(f"\n{name} chat {key}: npllama follows HF for {agree(ours)} tokens, "
               f"llama.cpp for {agree(g['llama_cpp'])} (of {len(g['hf'])})")
-        assert agree(ours) >= agree(g["llama_cpp"])
+        # where llama.cpp misses HF's first token (chat 0 of Q4_1 and Q8_0) its count, 0, would
+        # bound nothing: npllama must still take HF's first token (it follows all 8 today)
+        assert agree(ours) >= max(agree(g["llama_cpp"]), 1)
 
 
 def _decode_top1_agreement(model, fix):

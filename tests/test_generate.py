@@ -99,7 +99,9 @@ def test_prompt_longer_than_context(default_model):
     long = "word " * 300
     with pytest.raises(ContextOverflowError, match=r"the prompt is \d+ tokens .* context holds 128 .*truncate=True"):
         m.generate(long, ctx=128, max_tokens=8)
-    assert isinstance(m.generate(long, ctx=128, max_tokens=8, truncate=True, temperature=0), str)
+    tail = m.tokenize(long)[-(128 - 8):]  # truncate=True keeps the prompt's last ctx - max_tokens tokens
+    assert m.generate(long, ctx=128, max_tokens=8, truncate=True, temperature=0) == \
+        m.generate(tail, ctx=128, max_tokens=8, temperature=0)
 
 
 @pytest.mark.model

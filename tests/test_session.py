@@ -152,6 +152,7 @@ def test_long_prompt_runs_in_chunks_with_the_same_result(model, monkeypatch):
     import npllama.model as mm
     ids = [int(i) for i in np.random.default_rng(3).integers(0, model.config.n_vocab, 23)]
     whole = model.session().feed(ids, all_logits=True)
+    whole_hidden = model.forward(ids, 0, model.new_cache(), output="hidden")
     monkeypatch.setattr(mm, "PREFILL_CHUNK", 5)
     s = model.session()
     np.testing.assert_allclose(s.feed(ids, all_logits=True), whole, rtol=1e-4, atol=1e-5)
@@ -159,6 +160,7 @@ def test_long_prompt_runs_in_chunks_with_the_same_result(model, monkeypatch):
     np.testing.assert_allclose(model.session().feed(ids), whole[-1], rtol=1e-4, atol=1e-5)
     hidden = model.forward(ids, 0, model.new_cache(), output="hidden")
     assert hidden.shape == (23, model.config.n_embd)
+    np.testing.assert_allclose(hidden, whole_hidden, rtol=1e-4, atol=1e-5)
 
 
 def test_long_prompt_allocates_the_cache_once(model, monkeypatch):
