@@ -17,7 +17,7 @@ from .arch import ARCHS
 from .attention import attend
 from .batch import matmul_rows as mm  # x @ W.T reading each weight row once, for a few to a few hundred rows of x
 from .chat import validate_messages
-from .errors import PositionError
+from .errors import GGUFError, PositionError
 from .gguf_file import GGUFFile, ModelConfig
 from .kernels import rmsnorm
 from .kvcache import KVCache
@@ -74,6 +74,12 @@ class Model:
         self.output = self.token_embd if cfg.tied_output else QWeight.from_tensor(t("output.weight"))
         names = {n for r in cfg.ropes for n in (r.factors, r.long_factors) if n}
         self.ropes = Ropes(cfg, {n: f32(t(n)) for n in names})
+        if "tokenizer.ggml.tokens" in self.file.metadata:  # a broken vocabulary fails now, not at tokenize()
+            from .tokenizer import check_metadata
+            try:
+                check_metadata(self.file.metadata)
+            except GGUFError as e:
+                raise GGUFError(f"{self.path}: {e}") from None
         self._tokenizer = None
         self._plan = None
 

@@ -211,3 +211,11 @@ def test_unsupported_rope_scaling_is_refused(tmp_path):
                                                             "llama.rope.scaling.factor": 4.0})
     with pytest.raises(npllama.GGUFError, match="RoPE scaling 'yarn' is not supported"):
         npllama.Model(path)
+
+
+def test_a_broken_vocabulary_fails_when_the_model_loads(tmp_path):
+    """A merge naming a token the vocabulary lacks is a GGUFError naming the file at load time,
+    not an exception from the tokenizers library at the first tokenize()."""
+    path = write_tiny_llama(tmp_path / "m.gguf", merges=["Ġ t", "zz qq"])
+    with pytest.raises(npllama.GGUFError, match="m.gguf.*merge"):
+        npllama.Model(path)

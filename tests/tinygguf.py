@@ -65,15 +65,17 @@ def write_tiny_llama(
     extra_kv: dict | None = None,
     skip_tensors: tuple[str, ...] = (),
     tensor_overrides: dict[str, np.ndarray] | None = None,
+    merges: list[str] | None = None,
 ):
     """Write a random llama-family model to `path` and return `path`.
 
     Weights are N(0, 0.02) except norms (around 1). `qtype` applies to the 2-D matrices;
     `skip_tensors` drops tensors by name and `tensor_overrides` replaces them, for tests of
-    validation errors.
+    validation errors; `merges` replaces the vocabulary's merge list.
     """
     rng = np.random.default_rng(seed)
-    tokens, types, merges = tiny_vocab()
+    tokens, types, vocab_merges = tiny_vocab()
+    merges = vocab_merges if merges is None else merges
     n_vocab = len(tokens)
     head_dim = n_embd // n_head
     w = gguf.GGUFWriter(str(path), arch)
