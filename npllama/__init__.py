@@ -5,7 +5,8 @@
     print(model.chat([{"role": "user", "content": "Hi!"}], max_tokens=64))
 """
 from .batch import beam_search, complete_many, forward_batch, generate_many
-from .errors import ContextOverflowError, GGUFError, ModelFetchError, PositionError
+from .errors import (ChatTemplateError, ContextOverflowError, GGUFError, MemoryLimitError, ModelFetchError,
+                     PositionError)
 from .generate import Completion, Token
 from .gguf_file import GGUFFile, ModelConfig
 from .hub import pull
@@ -17,9 +18,9 @@ from .sampling import SamplingParams, make_sampler
 from .session import Session
 
 __all__ = [
-    "Completion", "ContextOverflowError", "GGUFError", "GGUFFile", "KVCache", "KVPool", "Model", "ModelConfig",
-    "ModelFetchError", "PoolExhaustedError", "PoolSeq", "PositionError", "SamplingParams", "Session", "Token",
-    "beam_search", "complete_many", "dequantize", "forward_batch", "generate_many", "load", "make_sampler",
-    "matmul", "pull",
+    "ChatTemplateError", "Completion", "ContextOverflowError", "GGUFError", "GGUFFile", "KVCache", "KVPool",
+    "MemoryLimitError", "Model", "ModelConfig", "ModelFetchError", "PoolExhaustedError", "PoolSeq", "PositionError",
+    "SamplingParams", "Session", "Token", "beam_search", "complete_many", "dequantize", "forward_batch",
+    "generate_many", "load", "make_sampler", "matmul", "pull",
 ]
 __version__ = "0.1.0"
