@@ -6,6 +6,8 @@ yields only the text pieces.
 """
 from __future__ import annotations
 
+import numbers
+import reprlib
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -38,7 +40,7 @@ class _StopScanner:
     several tokens. `push(text)` returns (text safe to emit, stopped?)."""
 
     def __init__(self, stops: Sequence[str]):
-        self.stops = [s for s in stops if s]
+        self.stops = [s for s in check_stop(stops) if s]
         self.pending = ""
 
     def push(self, text: str) -> tuple[str, bool]:
@@ -62,10 +64,37 @@ class _StopScanner:
         return out
 
 
+def _show(value) -> str:
+    """A short repr that never fails (deep, cyclic or huge values)."""
+    try:
+        return reprlib.repr(value)
+    except Exception:  # noqa: BLE001 - e.g. an int too long to print
+        return f"<{type(value).__name__}>"
+
+
+def _count(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {_show(value)}")
+    return int(value)
+
+
 def check_max_tokens(max_tokens) -> int:
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
-        raise ValueError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
-    return max_tokens
+    """`max_tokens` as an int, or ValueError unless it is a non-negative integer."""
+    return _count("max_tokens", max_tokens)
+
+
+def check_logprobs(logprobs) -> int:
+    """`logprobs` (how many top alternatives to report per token; 0 for none) as an int."""
+    return _count("logprobs", logprobs)
+
+
+def check_stop(stop) -> list[str]:
+    """Stop strings as a list: one str, or a list or tuple of str; ValueError otherwise."""
+    if isinstance(stop, str):
+        return [stop]
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise ValueError(f"stop must be a string or a list of strings, got {_show(stop)}")
+    return list(stop)
 
 
 def fit_prompt(ids: list[int], ctx: int, max_tokens: int, truncate: bool) -> list[int]:
@@ -88,16 +117,25 @@ def generate_tokens(session, prompt_ids: Sequence[int], *, max_tokens: int = 256
     Token whose `text` is what became safe to show (possibly ""). Generation ends at a stop id
     (default: EOS and end-of-turn ids), at a stop string (not emitted), or at `max_tokens`.
     The generator returns `(finish_reason, tail)`: "stop" or "length", and the text that was
-    held back (a possible start of a stop string that never completed)."""
-    model = session.model
-    tok = model.tokenizer
-    sampler = sampler or make_sampler(GREEDY)
-    stop_ids = tok.eot_ids if stop_ids is None else stop_ids
-    decoder = StreamDecoder(tok, skip_special=True)
+    held back (a possible start of a stop string that never completed).
+
+    The arguments are checked when it is called, before any token: ValueError for an empty
+    prompt, a `max_tokens` or `logprobs` that is not a non-negative integer, or a `stop` that is
+    not a string or a list of strings."""
+    max_tokens = check_max_tokens(max_tokens)
+    logprobs = check_logprobs(logprobs)
     scanner = _StopScanner(stop)
-    history = list(session.tokens) + list(prompt_ids)
     if not len(prompt_ids):
         raise ValueError("the prompt is empty: give at least one token to generate from")
+    return _generate(session, prompt_ids, max_tokens, sampler or make_sampler(GREEDY), scanner, stop_ids,
+                     logprobs)
+
+
+def _generate(session, prompt_ids, max_tokens, sampler, scanner, stop_ids, logprobs):
+    tok = session.model.tokenizer
+    stop_ids = tok.eot_ids if stop_ids is None else stop_ids
+    decoder = StreamDecoder(tok, skip_special=True)
+    history = list(session.tokens) + list(prompt_ids)
     if max_tokens == 0:
         return "length", ""
     logits = session.feed(prompt_ids)
@@ -139,8 +177,11 @@ def complete(session, prompt_ids: Sequence[int], **kw) -> Completion:
 
 
 def stream(session, prompt_ids: Sequence[int], **kw) -> Iterator[str]:
-    """Yield the generated text piece by piece, as it becomes safe to show."""
-    gen = generate_tokens(session, prompt_ids, **kw)
+    """The generated text piece by piece, as it becomes safe to show (arguments checked at once)."""
+    return _pieces(generate_tokens(session, prompt_ids, **kw))
+
+
+def _pieces(gen) -> Iterator[str]:
     try:
         while True:
             t = next(gen)
