@@ -24,14 +24,15 @@ import fuzz_targets as ft  # noqa: E402
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("seconds", nargs="?", type=int, default=300, help="seconds per target (default 300)")
-    ap.add_argument("--targets", default=",".join(ft.TARGETS), help=f"comma-separated, of {', '.join(ft.TARGETS)}")
+    ap.add_argument("--targets", default=",".join(ft.CAMPAIGN_TARGETS),
+                    help=f"comma-separated, of {', '.join(ft.CAMPAIGN_TARGETS)}")
     ap.add_argument("--seed", type=int, default=0, help="libFuzzer's random seed")
     ap.add_argument("--keep", type=Path, help="folder for the grown corpora and any crashing inputs")
     args = ap.parse_args(argv)
     targets = [t for t in args.targets.split(",") if t]
-    unknown = sorted(set(targets) - set(ft.TARGETS))
+    unknown = sorted(set(targets) - set(ft.CAMPAIGN_TARGETS))
     if unknown:
-        ap.error(f"unknown targets {', '.join(unknown)}; choose from {', '.join(ft.TARGETS)}")
+        ap.error(f"unknown targets {', '.join(unknown)}; choose from {', '.join(ft.CAMPAIGN_TARGETS)}")
     work = args.keep or Path(tempfile.mkdtemp(prefix="npllama-fuzz-"))
     print(f"{'target':10} {'seconds':>8} {'executions':>11} {'exec/s':>8} {'cov':>6} {'ft':>6} {'corpus':>7}  result")
     failed = False

@@ -44,6 +44,13 @@ INSTRUMENT = {
     "generate": ["npllama.generate", "npllama.textapi", "npllama.sampling", "npllama.session"],
 }
 TARGETS = tuple(INSTRUMENT)
+try:  # the tokenizer's target lives in its own module; the campaign runs it too
+    import fuzz_targets_tokenizer as _tokenizer_target
+except ImportError:
+    _tokenizer_target = None
+else:
+    INSTRUMENT["tokenizer"] = list(_tokenizer_target.INSTRUMENT)
+CAMPAIGN_TARGETS = TARGETS + (("tokenizer",) if _tokenizer_target else ())
 INSTRUMENT.update(selftest_crash=[], selftest_hang=[])  # check the driver itself (not campaign targets)
 
 
@@ -572,6 +579,8 @@ def fuzz_selftest_hang_one_input(data: bytes) -> None:
 
 
 def target_function(name: str):
+    if name == "tokenizer" and _tokenizer_target:
+        return _tokenizer_target.fuzz_tokenizer_one_input
     return globals()[f"fuzz_{name}_one_input"]
 
 
@@ -621,8 +630,7 @@ def run_campaign(target: str, seconds: int, *, work_dir: Path, seed: int = 0, ti
     scratch.mkdir(parents=True, exist_ok=True)
     artifacts = work_dir / f"artifacts-{target}"
     artifacts.mkdir(parents=True, exist_ok=True)
-    if target == "gguf":
-        max_len = max(max_len, max((len(raw) for _, raw in corpus(target)), default=0) + 1024)
+    max_len = max(max_len, max((len(raw) for _, raw in corpus(target)), default=0) + 1024)
     cmd = [sys.executable, str(Path(__file__).resolve()), target,
            f"-max_total_time={seconds}", f"-timeout={timeout_per_input}", f"-rss_limit_mb={rss_limit_mb}",
            f"-max_len={max_len}", f"-seed={seed}", "-print_final_stats=1",
@@ -693,6 +701,7 @@ def _worker(argv: list[str]) -> None:
         with atheris.instrument_imports(include=INSTRUMENT[target]):
             import npllama  # noqa: F401 - imports (and so instruments) the modules under test
             import npllama.chat, npllama.gguf_file, npllama.generate, npllama.sampling, npllama.textapi  # noqa: E401,F401
+            import npllama.tokenizer  # noqa: F401
             import jinja2  # noqa: F401
     fn = target_function(target)
     fn(b"")  # warm caches (templates, tokenizer) outside the first timed input

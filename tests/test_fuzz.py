@@ -1,6 +1,7 @@
 """The fuzzing campaign of issue 20 (section 3), and the regression tests of what it found.
 
-Each target of tests/fuzz_targets.py runs for NPLLAMA_FUZZ_SECONDS (default 25) under atheris
+Each target of tests/fuzz_targets.py, and the tokenizer's (tests/fuzz_targets_tokenizer.py, whose
+corpus and regressions test_tokenizer.py replays), runs for NPLLAMA_FUZZ_SECONDS (default 20) under atheris
 (coverage-guided, in a subprocess: libFuzzer exits the process when it ends), or, where atheris
 cannot be installed, under a seeded random mutator in-process. A crash, a hang (20 s on one
 input) or a process over 3 GiB fails the test and shows the input. The committed corpus
@@ -18,7 +19,7 @@ from npllama import textapi
 from npllama.generate import check_logprobs, check_max_tokens, check_stop
 from npllama.sampling import SamplingParams, logit_bias, make_sampler, penalties
 
-FUZZ_SECONDS = int(os.environ.get("NPLLAMA_FUZZ_SECONDS", "25"))
+FUZZ_SECONDS = int(os.environ.get("NPLLAMA_FUZZ_SECONDS", "20"))
 
 try:
     import atheris  # noqa: F401
@@ -50,7 +51,7 @@ def test_gguf_seeds_load():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target", ft.TARGETS)
+@pytest.mark.parametrize("target", ft.CAMPAIGN_TARGETS)
 def test_fuzz_campaign(target, tmp_path):
     if not HAVE_ATHERIS:
         n, raw, error = ft.run_random(target, FUZZ_SECONDS)
