@@ -11,6 +11,7 @@ Each model must match HF through the prefill path, the one-token decode path and
 batch path (max |diff| <= 1e-4 of the logit range, the same top-1 at every position), and
 int8 activations must agree with HF's top-1 at >= 90% of positions.
 """
+import re
 from pathlib import Path
 
 import numpy as np
@@ -124,3 +125,50 @@ def test_unknown_architecture_is_a_clear_error(tmp_path):
     assert "frobnicator" in msg and "not supported" in msg
     for arch in SUPPORTED_ARCHS:
         assert arch in msg, f"the error does not list the supported architecture {arch!r}: {msg}"
+
+
+def _rewrite(src, dst, *, drop_tensor=None, drop_key=None):
+    """A copy of the GGUF `src` at `dst` without one tensor or one metadata key."""
+    from gguf import GGUFReader, GGUFWriter
+    r = GGUFReader(str(src))
+    w = GGUFWriter(str(dst), arch=str(r.fields["general.architecture"].contents()))
+    for name, field in r.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", drop_key):
+            continue
+        sub = field.types[1] if len(field.types) > 1 else None
+        w.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+    for t in r.tensors:
+        if t.name != drop_tensor:
+            w.add_tensor(t.name, np.asarray(t.data).reshape(tuple(reversed(t.shape.tolist()))), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+# per architecture: a tensor and a metadata key it cannot run without
+_REQUIRED = {
+    "gemma3": ("blk.2.post_ffw_norm.weight", "gemma3.attention.sliding_window"),
+    "qwen3": ("blk.1.attn_k_norm.weight", "qwen3.attention.head_count"),
+    "qwen3moe": ("blk.0.ffn_down_exps.weight", "qwen3moe.expert_used_count"),
+    "smollm3": ("blk.3.ffn_up.weight", "smollm3.block_count"),
+    "phi3": ("blk.0.attn_qkv.weight", "phi3.attention.layer_norm_rms_epsilon"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_REQUIRED))
+def test_missing_tensor_or_key_is_named(tmp_path, name):
+    tensor, key = _REQUIRED[name]
+    src = FIX / f"{name}.gguf"
+    npllama.Model(_rewrite(src, tmp_path / "same.gguf"))  # the copy itself loads
+    with pytest.raises(GGUFError, match=f"missing required tensor '{re.escape(tensor)}'"):
+        npllama.Model(_rewrite(src, tmp_path / "t.gguf", drop_tensor=tensor))
+    with pytest.raises(GGUFError, match=re.escape(key)):
+        npllama.Model(_rewrite(src, tmp_path / "k.gguf", drop_key=key))
+
+
+def test_phi3_longrope_needs_both_factor_tensors(tmp_path):
+    src = FIX / "phi3-longrope.gguf"
+    with pytest.raises(GGUFError, match="rope_factors_long.*rope_factors_short.*both"):
+        npllama.Model(_rewrite(src, tmp_path / "m.gguf", drop_tensor="rope_factors_short.weight"))
