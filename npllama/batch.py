@@ -18,8 +18,8 @@ Products: the packed activations go through the row kernels of this module, whic
 every weight once per pass: each parallel task dequantizes _TILE (4) weight rows into a
 scratch that stays in L1 and dots them with all T activation rows (two at a time, eight
 running sums), so the dequantization is paid once per weight row and the T products run at
-the FMA rate; with at most _FEW (3) rows, Q4_0/Q4_1/Q8_0 rows are dotted straight from their
-blocks by the decode kernels' dots. q/k/v share one parallel region, gate/up and SwiGLU
+the FMA rate; with at most _FEW (3) rows, rows of the types with a direct dot (all quantized
+types but the floats) are dotted straight from their blocks by the decode kernels' dots. q/k/v share one parallel region, gate/up and SwiGLU
 another; the per-token norms and RoPE run serially. Measured on 2 cores with SmolLM2-135M
 Q4_1, this beats the tiled-dequant + BLAS path (`quants.matmul`) at every T from 2 to 512:
 dequantizing whole weights into memory costs more than the BLAS products gain. Passes run in
@@ -54,7 +54,7 @@ from .kvpool import KVPool, PoolExhaustedError, PoolSeq
 from .f16 import _half_bits_to_f32, bits
 from .paged_attention import _paged_kernel, plan_blocks
 from .progress import Progress
-from .quants import _FAST, _Q4_0, _Q4_1, _Q8_0, _deq_row, _dot_row_q4_0, _dot_row_q4_1, _dot_row_q8_0
+from .quants import _FAST, _Q4_0, _Q4_1, _Q8_0, _deq_row, _dot_row, _has_dot
 from .sampling import SamplingParams, make_sampler
 from .threads import check_threads, using_threads
 
@@ -64,7 +64,7 @@ __all__ = ["forward_batch", "generate_many", "complete_many", "beam_search", "Be
 CHUNK_TOKENS = 256     # packed tokens per pass through the layers (longer batches run in chunks)
 USE_ROW_KERNELS = True  # False: every product through the tiled-dequant + BLAS path
 _BLAS_CHUNK = 512       # packed tokens per pass on that path (as Model.forward's prefill chunks)
-_FEW = 3          # up to this many rows, Q4_0/Q4_1/Q8_0 products dot the weight blocks directly
+_FEW = 3          # up to this many rows, types with a direct dot dot the weight blocks directly
 _TILE = 4         # weight rows dequantized together in _matmul_rows
 
 
@@ -115,11 +115,6 @@ def _deq_row_fast(code, src, dst, half):
 
 
 @njit(cache=True)
-def _has_dot(code):
-    return code == _Q4_1 or code == _Q8_0 or code == _Q4_0
-
-
-@njit(cache=True)
 def _block_sums(x):
     """(T, n // 32) sums of each row of x over its 32-element blocks (Q4_1's offset term)."""
     T, n = x.shape
@@ -138,24 +133,19 @@ def _block_sums(x):
 def _tile(code, data, r0, x, xsum, out, o0, w, half):
     """out[t, o0 + i] = dot(W[r0 + i], x[t]) for the (up to) _TILE weight rows from r0.
 
-    With at most _FEW activation rows, Q4_0/Q4_1/Q8_0 rows are dotted straight from their
-    blocks (the decode kernels' dots; the row stays in L1 for the next activation row).
+    With at most _FEW activation rows, rows of a type with a direct dot (`quants._has_dot`:
+    Q4_0/Q4_1/Q8_0, Q5_0/Q5_1 and the K-quants) are dotted straight from their blocks (the
+    decode kernels' dots; the row stays in L1 for the next activation row).
     Otherwise the rows are dequantized into the scratch `w` (_TILE, n) and dotted with two
     activation rows at a time (eight running sums): every dequantized value is used T times.
     """
     T, n = x.shape
     nr = min(_TILE, data.shape[0] - r0)
     if T <= _FEW and _has_dot(code):
-        nb = n // 32
         for i in range(nr):
             row = data[r0 + i]
             for t in range(T):
-                if code == _Q4_1:
-                    out[t, o0 + i] = _dot_row_q4_1(row, x[t], xsum[t], nb)
-                elif code == _Q8_0:
-                    out[t, o0 + i] = _dot_row_q8_0(row, x[t], nb)
-                else:
-                    out[t, o0 + i] = _dot_row_q4_0(row, x[t], nb)
+                out[t, o0 + i] = _dot_row(code, row, x[t], xsum[t])
         return
     for i in range(nr):
         _deq_row_fast(code, data[r0 + i], w[i], half)

@@ -19,9 +19,12 @@ Njit level, for fused kernels (C-contiguous arrays and scalars only; they never 
 * ``_rows_f32(code, data, r0, r1, x, xsum, row, out)``: ``out[r] = dot(row r of data,
   x)`` for rows r0..r1-1 on the calling thread (the fused decode step's work items), with
   ``_block_sums(x, xsum)`` computed once per x; built on the single-row dots
-  ``_dot_row_q8_0(row, x, nb)``, ``_dot_row_q4_0(row, x, nb)`` and
-  ``_dot_row_q4_1(row, x, xsum, nb)``, other types dequantizing each row into the
-  caller's float32 ``row`` (at least as long as x) first.
+  ``_dot_row_q8_0(row, x, nb)``, ``_dot_row_q4_0(row, x, nb)``,
+  ``_dot_row_q4_1(row, x, xsum, nb)`` and ``_dot_row_<type>(row, x, xsum, nb)`` for Q5_0,
+  Q5_1, Q2_K..Q6_K (nb: blocks of the type, 32 or 256 elements), the float types
+  dequantizing each row into the caller's float32 ``row`` (at least as long as x) first.
+* ``_has_dot(code)``, ``_dot_row(code, row, x, xsum)``: whether a type has a direct dot, and
+  that dot for one row (the prefill row kernels' few-rows path).
 * ``_matvec(code, data, x, out)``: the same product for all rows, row-parallel.
 * ``_prefetch_ahead(data, r)``: the row loops' software prefetch of the weight bytes a
   little past row r (``_prefetch(data, i)`` beneath: a hint, valid past the end).
@@ -601,6 +604,282 @@ def _dot_row_q4_1(typingctx, row, x, xsum, nb):
     return types.float32(row, x, xsum, nb), codegen
 
 
+# ---------------------------------------------------------------------------------------
+# Direct dots of the other block types (Q5_0, Q5_1 and the K-quants), as LLVM IR
+#
+# One block (32 elements) or super-block (256) per loop iteration: its quants unpacked with
+# byte-vector operations into <32 x i8> runs of 32 consecutive elements (signed: biases are
+# subtracted in integers), widened to floats and multiplied with x. A run's product is scaled by
+# its (sub-)block scale d * sc, as a splat, or for 16-element sub-blocks as a vector of two
+# halves; the terms of a block are summed as a tree and added into one <32 x float>
+# accumulator. Minimum terms (Q4_K/Q5_K: dmin * min_j * sum of x over sub-block j; Q5_1:
+# m * sum of block) come from the caller's 32-element block sums of x (``_block_sums``);
+# Q2_K's 16-element sub-blocks subtract their minimum from each weight (w = dl q - ml), then
+# dot. Each dot has the signature (row, x, xsum, nb): nb blocks of the type (32 or 256
+# elements); types without a minimum ignore xsum.
+# ---------------------------------------------------------------------------------------
+
+def _vec(ty, n):
+    return ir.VectorType(ty, n)
+
+
+def _const_vec(ty, n, v):
+    return ir.Constant(_vec(ty, n), v if isinstance(v, list) else [v] * n)
+
+
+def _shuffle(builder, a, b, idx):
+    return builder.shuffle_vector(a, b, ir.Constant(_vec(_I32, len(idx)), idx))
+
+
+def _ir_tree_sum(builder, terms):
+    """Sum of float vectors as a balanced tree (short dependency chains)."""
+    while len(terms) > 1:
+        terms = [builder.fadd(terms[i], terms[i + 1], flags=_FAST_FLAGS) if i + 1 < len(terms) else terms[i]
+                 for i in range(0, len(terms), 2)]
+    return terms[0]
+
+
+def _ir_b8(builder, v, op, k):
+    """An i8-vector operation with a splat constant: op in and/or/lshr/shl/sub/add."""
+    c = _const_vec(_I8, v.type.count, k)
+    return {"and": builder.and_, "or": builder.or_, "lshr": builder.lshr, "shl": builder.shl,
+            "sub": builder.sub, "add": builder.add}[op](v, c)
+
+
+def _ir_nib32(builder, rp, o):
+    """<32 x i8>: the low nibbles of the 16 bytes at rp[o:], then their high nibbles."""
+    q = _ir_load(builder, rp, o, _vec(_I8, 16), 1)
+    return _shuffle(builder, _ir_b8(builder, q, "and", 15), _ir_b8(builder, q, "lshr", 4), list(range(32)))
+
+
+def _ir_qh_bits(builder, rp, o):
+    """<32 x i8>: 16 where bit j of the little-endian uint32 at rp[o:] is set, else 0 (Q5_0/Q5_1's
+    fifth bits, element j)."""
+    b4 = _ir_load(builder, rp, o, _vec(_I8, 4), 1)
+    spread = _shuffle(builder, b4, b4, [j // 8 for j in range(32)])
+    on = builder.icmp_unsigned("!=", builder.and_(spread, _const_vec(_I8, 32, [1 << (j % 8) for j in range(32)])),
+                               _const_vec(_I8, 32, 0))
+    return builder.select(on, _const_vec(_I8, 32, 16), _const_vec(_I8, 32, 0))
+
+
+def _ir_qx(builder, q, xp, xo):
+    """<32 x float>: the 32 signed integers of <32 x i8> q times x[xo : xo + 32]."""
+    vf = _vec(_F32T, 32)
+    return builder.fmul(builder.sitofp(q, vf), _ir_load(builder, xp, xo, vf, 4), flags=_FAST_FLAGS)
+
+
+def _ir_k_scales(builder, rp, o):
+    """Q4_K/Q5_K's 6-bit (scales, mins) of the 8 sub-blocks, as two <8 x i32>, from the 12
+    bytes at rp[o:] (see _k_scale_min)."""
+    a = _ir_load(builder, rp, o, _vec(_I8, 8), 1)                                  # bytes 0..7
+    b = _ir_load(builder, rp, builder.add(o, ir.Constant(o.type, 4)), _vec(_I8, 8), 1)  # bytes 4..11
+    v = _vec(_I32, 8)
+
+    def pick(idx):
+        return builder.zext(_shuffle(builder, a, b, idx), v)
+
+    A, B = pick([0, 1, 2, 3, 12, 13, 14, 15]), pick([4, 5, 6, 7, 12, 13, 14, 15])
+    C, D = pick([0, 1, 2, 3, 0, 1, 2, 3]), pick([4, 5, 6, 7, 4, 5, 6, 7])
+    k = lambda x: _const_vec(_I32, 8, x)  # noqa: E731
+    first = ir.Constant(_vec(ir.IntType(1), 8), [1, 1, 1, 1, 0, 0, 0, 0])
+    top = lambda w: builder.shl(builder.lshr(w, k(6)), k(4))  # noqa: E731
+    sc = builder.select(first, builder.and_(A, k(63)), builder.or_(builder.and_(A, k(15)), top(C)))
+    mn = builder.select(first, builder.and_(B, k(63)), builder.or_(builder.lshr(B, k(4)), top(D)))
+    return sc, mn
+
+
+def _ir_halves(builder, scales, s):
+    """<32 x float>: lanes 0-15 scales[s], lanes 16-31 scales[s + 1]."""
+    return _shuffle(builder, scales, scales, [s] * 16 + [s + 1] * 16)
+
+
+def _ir_i2f(builder, v, scale):
+    """float vector scale * float(v), for an integer vector v."""
+    f = builder.sitofp(v, _vec(_F32T, v.type.count))
+    return builder.fmul(_ir_splat(builder, scale, v.type.count), f, flags=_FAST_FLAGS)
+
+
+def _block_q5_0(builder, rp, xp, sp, b, acc, acc_m):
+    # block (22 B): d f16 | qh u32 | 16 bytes of nibbles;  q = nib | bit << 4, w = d (q - 16)
+    c = lambda v: ir.Constant(b.type, v)  # noqa: E731
+    o = builder.mul(b, c(22))
+    d = _ir_f16_fast(builder, _ir_load_f16(builder, rp, o))
+    q = builder.or_(_ir_nib32(builder, rp, builder.add(o, c(6))), _ir_qh_bits(builder, rp, builder.add(o, c(2))))
+    p = _ir_qx(builder, _ir_b8(builder, q, "sub", 16), xp, builder.mul(b, c(32)))
+    _ir_accumulate(builder, acc, _ir_scaled(builder, d, p))
+
+
+def _block_q5_1(builder, rp, xp, sp, b, acc, acc_m):
+    # block (24 B): d f16 | m f16 | qh u32 | 16 bytes of nibbles;  w = d q + m
+    c = lambda v: ir.Constant(b.type, v)  # noqa: E731
+    o = builder.mul(b, c(24))
+    d = _ir_f16_fast(builder, _ir_load_f16(builder, rp, o))
+    m = _ir_f16_fast(builder, _ir_load_f16(builder, rp, builder.add(o, c(2))))
+    q = builder.or_(_ir_nib32(builder, rp, builder.add(o, c(8))), _ir_qh_bits(builder, rp, builder.add(o, c(4))))
+    _ir_accumulate(builder, acc, _ir_scaled(builder, d, _ir_qx(builder, q, xp, builder.mul(b, c(32)))))
+    mx = builder.fmul(m, _ir_load(builder, sp, b, _F32T, 4), flags=_FAST_FLAGS)
+    _ir_accumulate(builder, acc_m, builder.insert_element(_ir_vec_zero(8), mx, _ir_i32(0)))
+
+
+def _block_k_4_5(builder, rp, xp, sp, b, acc, acc_m, five):
+    # Q4_K (144 B): d f16 | dmin f16 | scales 12 B | qs 128 B;  Q5_K (176 B): the same with
+    # qh 32 B before qs. Sub-block j = 2c + h holds the nibbles h of qs[32c : 32c + 32] (| the
+    # fifth bits (qh >> j) & 1); w = d sc_j q - dmin min_j
+    c = lambda v: ir.Constant(b.type, v)  # noqa: E731
+    o = builder.mul(b, c(176 if five else 144))
+    d = _ir_f16_fast(builder, _ir_load_f16(builder, rp, o))
+    dmin = _ir_f16_fast(builder, _ir_load_f16(builder, rp, builder.add(o, c(2))))
+    sc, mn = _ir_k_scales(builder, rp, builder.add(o, c(4)))
+    dl = _ir_i2f(builder, sc, d)
+    ml = _ir_i2f(builder, mn, dmin)
+    xs = _ir_load(builder, sp, builder.mul(b, c(8)), _vec(_F32T, 8), 4)
+    builder.store(builder.fsub(builder.load(acc_m), builder.fmul(ml, xs, flags=_FAST_FLAGS), flags=_FAST_FLAGS),
+                  acc_m)
+    qh = _ir_load(builder, rp, builder.add(o, c(16)), _vec(_I8, 32), 1) if five else None
+    x0 = builder.mul(b, c(256))
+    terms = []
+    for k in range(4):
+        v = _ir_load(builder, rp, builder.add(o, c((48 if five else 16) + 32 * k)), _vec(_I8, 32), 1)
+        for h in range(2):
+            j = 2 * k + h
+            q = _ir_b8(builder, v, "and", 15) if h == 0 else _ir_b8(builder, v, "lshr", 4)
+            if five:
+                q = builder.or_(q, _ir_b8(builder, _ir_b8(builder, _ir_b8(builder, qh, "lshr", j), "and", 1), "shl", 4))
+            p = _ir_qx(builder, q, xp, builder.add(x0, c(32 * j)))
+            terms.append(builder.fmul(_ir_splat(builder, builder.extract_element(dl, _ir_i32(j)), 32), p,
+                                      flags=_FAST_FLAGS))
+    _ir_accumulate(builder, acc, _ir_tree_sum(builder, terms))
+
+
+def _block_q4_k(builder, rp, xp, sp, b, acc, acc_m):
+    _block_k_4_5(builder, rp, xp, sp, b, acc, acc_m, False)
+
+
+def _block_q5_k(builder, rp, xp, sp, b, acc, acc_m):
+    _block_k_4_5(builder, rp, xp, sp, b, acc, acc_m, True)
+
+
+def _block_q6_k(builder, rp, xp, sp, b, acc, acc_m):
+    # super-block (210 B): ql 128 B | qh 64 B | scales i8[16] | d f16. Half h, run k (32
+    # elements from 128h + 32k): low bits from ql[64h + 32(k & 1) :] (nibble k >> 1), high
+    # bits (qh[32h :] >> 2k) & 3;  w = d sc_s (q - 32), s = 8h + 2k (+1 for the run's second half)
+    c = lambda v: ir.Constant(b.type, v)  # noqa: E731
+    o = builder.mul(b, c(210))
+    d = _ir_f16_fast(builder, _ir_load_f16(builder, rp, builder.add(o, c(208))))
+    dl = _ir_i2f(builder, builder.sext(_ir_load(builder, rp, builder.add(o, c(192)), _vec(_I8, 16), 1),
+                                       _vec(_I32, 16)), d)
+    x0 = builder.mul(b, c(256))
+    terms = []
+    for h in range(2):
+        ql = [_ir_load(builder, rp, builder.add(o, c(64 * h + 32 * i)), _vec(_I8, 32), 1) for i in range(2)]
+        qh = _ir_load(builder, rp, builder.add(o, c(128 + 32 * h)), _vec(_I8, 32), 1)
+        for k in range(4):
+            lo = _ir_b8(builder, ql[k & 1], "and", 15) if k < 2 else _ir_b8(builder, ql[k & 1], "lshr", 4)
+            hi = _ir_b8(builder, _ir_b8(builder, _ir_b8(builder, qh, "lshr", 2 * k), "and", 3), "shl", 4)
+            q = _ir_b8(builder, builder.or_(lo, hi), "sub", 32)
+            p = _ir_qx(builder, q, xp, builder.add(x0, c(128 * h + 32 * k)))
+            terms.append(builder.fmul(_ir_halves(builder, dl, 8 * h + 2 * k), p, flags=_FAST_FLAGS))
+    _ir_accumulate(builder, acc, _ir_tree_sum(builder, terms))
+
+
+def _block_q3_k(builder, rp, xp, sp, b, acc, acc_m):
+    # super-block (110 B): hmask 32 B | qs 64 B | scales 12 B | d f16. Run k (elements 32k..):
+    # low bits (qs[32(k >> 2) :] >> 2(k & 3)) & 3, minus 4 where bit k of hmask[l] is clear;
+    # w = d (sc_s - 32) q with the 6-bit scales of _deq_row_q3_k
+    c = lambda v: ir.Constant(b.type, v)  # noqa: E731
+    o = builder.mul(b, c(110))
+    d = _ir_f16_fast(builder, _ir_load_f16(builder, rp, builder.add(o, c(108))))
+    v16 = _vec(_I32, 16)
+    lo8 = _ir_load(builder, rp, builder.add(o, c(96)), _vec(_I8, 8), 1)
+    hi4 = _ir_load(builder, rp, builder.add(o, c(104)), _vec(_I8, 4), 1)
+    lo = builder.zext(_shuffle(builder, lo8, lo8, list(range(8)) * 2), v16)
+    lo = builder.and_(builder.lshr(lo, _const_vec(_I32, 16, [0] * 8 + [4] * 8)), _const_vec(_I32, 16, 15))
+    hi = builder.zext(_shuffle(builder, hi4, hi4, [s & 3 for s in range(16)]), v16)
+    hi = builder.and_(builder.lshr(hi, _const_vec(_I32, 16, [2 * (s >> 2) for s in range(16)])), _const_vec(_I32, 16, 3))
+    sc = builder.sub(builder.or_(lo, builder.shl(hi, _const_vec(_I32, 16, 4))), _const_vec(_I32, 16, 32))
+    dl = _ir_i2f(builder, sc, d)
+    hm = _ir_load(builder, rp, o, _vec(_I8, 32), 1)
+    x0 = builder.mul(b, c(256))
+    terms = []
+    for h in range(2):
+        qs = _ir_load(builder, rp, builder.add(o, c(32 + 32 * h)), _vec(_I8, 32), 1)
+        for kk in range(4):
+            k = 4 * h + kk
+            low = _ir_b8(builder, _ir_b8(builder, qs, "lshr", 2 * kk), "and", 3)
+            high = _ir_b8(builder, _ir_b8(builder, _ir_b8(builder, hm, "lshr", k), "and", 1), "shl", 2)
+            q = _ir_b8(builder, builder.or_(low, high), "sub", 4)
+            p = _ir_qx(builder, q, xp, builder.add(x0, c(32 * k)))
+            terms.append(builder.fmul(_ir_halves(builder, dl, 2 * k), p, flags=_FAST_FLAGS))
+    _ir_accumulate(builder, acc, _ir_tree_sum(builder, terms))
+
+
+def _block_q2_k(builder, rp, xp, sp, b, acc, acc_m):
+    # super-block (84 B): scales 16 B (low nibble: scale, high: min of sub-block s) | qs 64 B |
+    # d f16 | dmin f16. Run k of half h (elements 128h + 32k ..): (qs[32h :] >> 2k) & 3;
+    # w = d sc_s q - dmin min_s
+    c = lambda v: ir.Constant(b.type, v)  # noqa: E731
+    o = builder.mul(b, c(84))
+    d = _ir_f16_fast(builder, _ir_load_f16(builder, rp, builder.add(o, c(80))))
+    dmin = _ir_f16_fast(builder, _ir_load_f16(builder, rp, builder.add(o, c(82))))
+    sb = builder.zext(_ir_load(builder, rp, o, _vec(_I8, 16), 1), _vec(_I32, 16))
+    dl = _ir_i2f(builder, builder.and_(sb, _const_vec(_I32, 16, 15)), d)
+    ml = _ir_i2f(builder, builder.lshr(sb, _const_vec(_I32, 16, 4)), dmin)
+    x0 = builder.mul(b, c(256))
+    vf = _vec(_F32T, 32)
+    terms = []
+    for h in range(2):
+        qs = _ir_load(builder, rp, builder.add(o, c(16 + 32 * h)), _vec(_I8, 32), 1)
+        for k in range(4):
+            s = 8 * h + 2 * k
+            q = builder.sitofp(_ir_b8(builder, _ir_b8(builder, qs, "lshr", 2 * k), "and", 3), vf)
+            w = builder.fsub(builder.fmul(_ir_halves(builder, dl, s), q, flags=_FAST_FLAGS),
+                             _ir_halves(builder, ml, s), flags=_FAST_FLAGS)
+            xv = _ir_load(builder, xp, builder.add(x0, c(128 * h + 32 * k)), vf, 4)
+            terms.append(builder.fmul(w, xv, flags=_FAST_FLAGS))
+    _ir_accumulate(builder, acc, _ir_tree_sum(builder, terms))
+
+
+def _make_block_dot(name, block, doc):
+    """A row-dot intrinsic ``(row, x, xsum, nb) -> float32`` from a per-block IR emitter
+    ``block(builder, rp, xp, sp, b, acc, acc_m)`` (acc: <32 x float>, acc_m: <8 x float>
+    accumulators; the result is the sum of both)."""
+    def typer(typingctx, row, x, xsum, nb):
+        if not (_is_c_array(row, types.uint8) and _is_c_array(x, types.float32)
+                and _is_c_array(xsum, types.float32) and isinstance(nb, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            rp, xp, sp = (context.make_array(t)(context, builder, a).data for t, a in zip(sig.args[:3], args[:3]))
+            acc = cgutils.alloca_once_value(builder, _ir_vec_zero(32))
+            acc_m = cgutils.alloca_once_value(builder, _ir_vec_zero(8))
+            _ir_block_loop(context, builder, args[3], sig.args[3],
+                           lambda b: block(builder, rp, xp, sp, b, acc, acc_m))
+            return builder.fadd(_ir_hsum(builder, builder.load(acc)), _ir_hsum(builder, builder.load(acc_m)),
+                                flags=_FAST_FLAGS)
+
+        return types.float32(row, x, xsum, nb), codegen
+
+    typer.__name__ = typer.__qualname__ = name
+    typer.__doc__ = doc
+    return intrinsic(typer)
+
+
+_dot_row_q5_0 = _make_block_dot("_dot_row_q5_0", _block_q5_0,
+                                "Dot of a Q5_0 row of nb blocks with x[:32 nb] (xsum unused).")
+_dot_row_q5_1 = _make_block_dot("_dot_row_q5_1", _block_q5_1,
+                                "Dot of a Q5_1 row of nb blocks with x[:32 nb]; xsum: block sums of x.")
+_dot_row_q4_k = _make_block_dot("_dot_row_q4_k", _block_q4_k,
+                                "Dot of a Q4_K row of nb super-blocks with x[:256 nb]; xsum: block sums of x.")
+_dot_row_q5_k = _make_block_dot("_dot_row_q5_k", _block_q5_k,
+                                "Dot of a Q5_K row of nb super-blocks with x[:256 nb]; xsum: block sums of x.")
+_dot_row_q6_k = _make_block_dot("_dot_row_q6_k", _block_q6_k,
+                                "Dot of a Q6_K row of nb super-blocks with x[:256 nb] (xsum unused).")
+_dot_row_q3_k = _make_block_dot("_dot_row_q3_k", _block_q3_k,
+                                "Dot of a Q3_K row of nb super-blocks with x[:256 nb] (xsum unused).")
+_dot_row_q2_k = _make_block_dot("_dot_row_q2_k", _block_q2_k,
+                                "Dot of a Q2_K row of nb super-blocks with x[:256 nb] (xsum unused).")
+
+
 @intrinsic
 def _prefetch(typingctx, data, i):
     """Ask the CPU to bring the cache line of byte ``i`` of the C-contiguous uint8 array
@@ -646,13 +925,48 @@ def _block_sums(x, xsum):
         xsum[b] = s
 
 
+@njit(cache=True)
+def _has_dot(code):
+    """Whether rows of type ``code`` have a direct dot (``_dot_row``)."""
+    return (code == _Q4_1 or code == _Q8_0 or code == _Q4_0 or code == _Q5_0 or code == _Q5_1 or code == _Q4_K
+            or code == _Q5_K or code == _Q6_K or code == _Q3_K or code == _Q2_K)
+
+
+@njit(cache=True)
+def _dot_row(code, row, x, xsum):
+    """dot(row, x) by the direct dot of type ``code`` (one of ``_has_dot``; else 0): ``row`` one
+    uint8 weight row of n = x.shape[0] elements, ``xsum`` the block sums of x (``_block_sums``)."""
+    n = x.shape[0]
+    if code == _Q4_1:
+        return _dot_row_q4_1(row, x, xsum, n // 32)
+    elif code == _Q8_0:
+        return _dot_row_q8_0(row, x, n // 32)
+    elif code == _Q4_0:
+        return _dot_row_q4_0(row, x, n // 32)
+    elif code == _Q5_0:
+        return _dot_row_q5_0(row, x, xsum, n // 32)
+    elif code == _Q4_K:
+        return _dot_row_q4_k(row, x, xsum, n // 256)
+    elif code == _Q6_K:
+        return _dot_row_q6_k(row, x, xsum, n // 256)
+    elif code == _Q5_K:
+        return _dot_row_q5_k(row, x, xsum, n // 256)
+    elif code == _Q5_1:
+        return _dot_row_q5_1(row, x, xsum, n // 32)
+    elif code == _Q3_K:
+        return _dot_row_q3_k(row, x, xsum, n // 256)
+    elif code == _Q2_K:
+        return _dot_row_q2_k(row, x, xsum, n // 256)
+    return np.float32(0.0)
+
+
 @njit(cache=True, fastmath=_FAST)
 def _rows_f32(code, data, r0, r1, x, xsum, row, out):
     """out[r] = dot(row r of ``data``, x) for r in r0..r1-1, on the calling thread. ``xsum``:
-    ``_block_sums(x)`` (read for Q4_1). Types without a direct dot dequantize each row into
-    ``row`` (float32, at least as long as x) first."""
+    ``_block_sums(x)`` (read for Q4_1, Q5_1, Q4_K, Q5_K). Types without a direct dot dequantize
+    each row into ``row`` (float32, at least as long as x) first."""
     nb = x.shape[0] // 32
-    if code == _Q4_1:
+    if code == _Q4_1:  # one loop per type: the dispatch stays out of the row loop
         for r in range(r0, r1):
             _prefetch_ahead(data, r)
             out[r] = _dot_row_q4_1(data[r], x, xsum, nb)
@@ -664,6 +978,34 @@ def _rows_f32(code, data, r0, r1, x, xsum, row, out):
         for r in range(r0, r1):
             _prefetch_ahead(data, r)
             out[r] = _dot_row_q4_0(data[r], x, nb)
+    elif code == _Q5_0:
+        for r in range(r0, r1):
+            _prefetch_ahead(data, r)
+            out[r] = _dot_row_q5_0(data[r], x, xsum, nb)
+    elif code == _Q4_K:
+        for r in range(r0, r1):
+            _prefetch_ahead(data, r)
+            out[r] = _dot_row_q4_k(data[r], x, xsum, nb // 8)
+    elif code == _Q6_K:
+        for r in range(r0, r1):
+            _prefetch_ahead(data, r)
+            out[r] = _dot_row_q6_k(data[r], x, xsum, nb // 8)
+    elif code == _Q5_K:
+        for r in range(r0, r1):
+            _prefetch_ahead(data, r)
+            out[r] = _dot_row_q5_k(data[r], x, xsum, nb // 8)
+    elif code == _Q5_1:
+        for r in range(r0, r1):
+            _prefetch_ahead(data, r)
+            out[r] = _dot_row_q5_1(data[r], x, xsum, nb)
+    elif code == _Q3_K:
+        for r in range(r0, r1):
+            _prefetch_ahead(data, r)
+            out[r] = _dot_row_q3_k(data[r], x, xsum, nb // 8)
+    elif code == _Q2_K:
+        for r in range(r0, r1):
+            _prefetch_ahead(data, r)
+            out[r] = _dot_row_q2_k(data[r], x, xsum, nb // 8)
     else:
         row = row[:x.shape[0]]
         for r in range(r0, r1):

@@ -177,3 +177,62 @@ def test_prefetch_past_the_end_is_harmless():
 def _prefetch_bytes(data, end):
     for i in range(0, end, 64):
         quants._prefetch(data, i)
+
+
+DIRECT_DOT_TYPES = [QT.Q4_1, QT.Q8_0, QT.Q4_0, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q3_K, QT.Q2_K]
+
+
+def test_direct_dot_types():
+    """Every quantized type is dotted straight from its blocks; only the float types are
+    dequantized into a row first."""
+    for qtype in quants.SUPPORTED_TYPES:
+        assert quants._has_dot(int(qtype)) == (qtype in DIRECT_DOT_TYPES), qtype.name
+
+
+@pytest.mark.parametrize("qtype", DIRECT_DOT_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows,blocks", [(1, 1), (7, 1), (5, 4), (13, 9)])
+def test_direct_dot(qtype, rows, blocks):
+    """The direct row dots (through _rows_f32, the decode step's products, and _dot_row, the
+    prefill rows') against gguf's dequantization and a float64 dot: rows of one block (256
+    elements for the K-quants) and of several, odd row counts, x of mixed magnitudes."""
+    rng = np.random.default_rng(rows * 1000 + blocks * 10 + int(qtype))
+    data = weight(qtype, rows, rng, blocks=blocks)
+    n = quants.row_elems(qtype, data.shape[1])
+    x = (rng.normal(size=n) * rng.choice([0.01, 1.0, 30.0], n)).astype(np.float32)
+    xsum = np.empty(n // 32, np.float32)
+    quants._block_sums(x, xsum)
+    out = np.full(rows, np.nan, np.float32)
+    quants._rows_f32(int(qtype), data, 0, rows, x, xsum, np.empty(0, np.float32), out)
+    assert_close(out, data, qtype, x)
+    one = np.array([_dot_row(int(qtype), data[r], x, xsum) for r in range(rows)], np.float32)
+    assert_close(one, data, qtype, x)
+
+
+@pytest.mark.parametrize("qtype", DIRECT_DOT_TYPES, ids=lambda t: t.name)
+def test_direct_dot_non_contiguous_x(qtype):
+    """matmul's decode product (the direct dots) on a strided and a float64 x."""
+    rng = np.random.default_rng(int(qtype) + 70)
+    data = weight(qtype, 3, rng, blocks=2)
+    n = quants.row_elems(qtype, data.shape[1])
+    big = rng.normal(size=3 * n)
+    for x in (big[::3].astype(np.float32), big[:n]):
+        assert_close(quants.matmul(data, qtype, x), data, qtype, x)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q5_0, QT.Q4_K, QT.Q6_K, QT.Q2_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("T", [1, 2, 3, 5])
+def test_prefill_rows_with_direct_dots(qtype, T):
+    """batch._matmul_rows (prefill and batched products): up to batch._FEW activation rows by
+    the direct dots, more by dequantized tiles; 9 weight rows, a partial last tile."""
+    from npllama import batch
+    rng = np.random.default_rng(T + int(qtype))
+    data = weight(qtype, 9, rng, blocks=2)
+    x = rng.normal(size=(T, quants.row_elems(qtype, data.shape[1]))).astype(np.float32)
+    out = np.full((T, 9), np.nan, np.float32)
+    batch._matmul_rows(int(qtype), data, x, out, 16)
+    assert_close(out, data, qtype, x)
+
+
+@njit
+def _dot_row(code, row, x, xsum):
+    return quants._dot_row(code, row, x, xsum)
