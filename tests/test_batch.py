@@ -161,6 +161,50 @@ def test_paged_attend_equals_attend_on_each_sequence(dtype):
         row += m
 
 
+def _attention_reference(q, k, v, qpos, window, scale):
+    """Causal (optionally windowed) attention of queries q (S, H, D) at positions qpos over
+    keys/values (n, KVH, D), in float64 with an explicit softmax: query at p sees key t when
+    t <= p and, with a window, p - t < window."""
+    S, H, D = q.shape
+    G = H // k.shape[1]
+    out = np.zeros((S, H, D))
+    for i, p in enumerate(qpos):
+        t = np.arange(k.shape[0])
+        seen = (t <= p) & ((p - t < window) if window else True)
+        for h in range(H):
+            s = (k[seen, h // G].astype(np.float64) @ q[i, h].astype(np.float64)) * scale
+            w = np.exp(s - s.max())
+            out[i, h] = w @ v[seen, h // G] / w.sum()
+    return out
+
+
+@pytest.mark.parametrize("window", [0, 1, 3, 7, 40])
+def test_paged_attend_window_against_numpy(window):
+    """Sliding windows in the batched attention: a prefill chunk and single decoding tokens of
+    sequences of different lengths, against the float64 reference."""
+    rng = np.random.default_rng(5)
+    H, KVH, D, ps = 4, 2, 8, 4
+    lengths, n_new = [11, 3, 17], [6, 1, 1]
+    kv = random_pool(rng, 16, ps, KVH, D)
+    tables = np.full((3, 5), -1, np.int32)
+    perm, at = rng.permutation(16), 0
+    for b, n in enumerate(lengths):
+        tables[b, :-(-n // ps)] = perm[at:at - (-n // ps)]
+        at += -(-n // ps)
+    seq_of_token = np.repeat(np.arange(3), n_new)
+    positions = np.concatenate([np.arange(n - m, n) for n, m in zip(lengths, n_new)])
+    q = rng.standard_normal((len(positions), H, D)).astype(np.float32)
+    out = paged_attend(q, kv, tables, seq_of_token, positions, window=window, scale=0.3)
+    row = 0
+    for b, (n, m) in enumerate(zip(lengths, n_new)):
+        seq = kv[tables[b, :-(-n // ps)]].reshape(-1, KVH, 2, D)[:n]
+        ref = _attention_reference(q[row:row + m], seq[:, :, 0], seq[:, :, 1], positions[row:row + m], window, 0.3)
+        np.testing.assert_allclose(out[row:row + m], ref, rtol=1e-5, atol=1e-5)
+        row += m
+    with pytest.raises(ValueError, match="window must be an integer >= 0"):
+        paged_attend(q, kv, tables, seq_of_token, positions, window=-1)
+
+
 # ---- masks for padded batches ---------------------------------------------------------------
 
 def test_batch_mask_shape_broadcasts_per_request():

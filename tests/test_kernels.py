@@ -4,7 +4,7 @@ import pytest
 from numba import njit
 
 from npllama import ContextOverflowError
-from npllama.kernels import _FM, RopeTable, _exp, rmsnorm, swiglu
+from npllama.kernels import _FM, RopeTable, _exp, glu, rmsnorm, swiglu
 
 rng = np.random.default_rng(0)
 
@@ -67,6 +67,21 @@ def test_exp_limits():
     out = np.empty_like(x)
     _exp_loop(x, out)
     np.testing.assert_array_equal(out, np.float32([0, 0, 0, 0, np.inf, np.inf, np.inf, np.inf, np.nan]))
+
+
+@pytest.mark.parametrize("shape", [(1,), (9,), (3, 1536)])
+def test_glu_gelu_tanh(shape):
+    """GeGLU against the tanh-approximated GELU written out in float64 (torch's
+    gelu(approximate="tanh")), including large |g| where tanh saturates."""
+    g = (rng.standard_normal(shape) * 6).astype(np.float32)
+    u = rng.standard_normal(shape).astype(np.float32)
+    g64 = g.astype(np.float64)
+    ref = 0.5 * g64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (g64 + 0.044715 * g64 ** 3))) * u
+    np.testing.assert_allclose(glu(g, u, "gelu_tanh"), ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(glu(g.T, u.T, "gelu_tanh"), ref.T, rtol=1e-5, atol=1e-6)  # non-contiguous
+    np.testing.assert_allclose(glu(g, u, "silu"), swiglu(g, u))
+    with pytest.raises(ValueError, match="activation must be one of"):
+        glu(g, u, "relu")
 
 
 @pytest.mark.parametrize("shape", [(1,), (9,), (3, 1536)])
