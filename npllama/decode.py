@@ -87,8 +87,7 @@ class DecodePlan:
         self.post_ffn = stack("post_ffn_norm", cfg.n_embd)
         # per layer: [RoPE table (-1: none), sliding window (0: none)]
         self.lcfg = np.array([cfg.layer_rope, cfg.layer_window], np.int64).T.copy()
-        # [activation code, embedding scale]
-        self.act = ACTS[cfg.act]
+        self.act = ACTS[cfg.act]  # the FFN's GLU activation
         self.embd_scale = np.float32(cfg.embd_scale)
         self.model = model
         self.eps = np.float32(cfg.rms_eps)
