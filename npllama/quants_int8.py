@@ -13,6 +13,14 @@ accumulated in float32:
     Q8_0:  sum_b d_w d_x sum_j w_j q_j
     Q4_0:  sum_b d_w d_x sum_j (nib_j - 8) q_j
     Q4_1:  sum_b d_w d_x sum_j nib_j q_j + m_w s
+    Q5_0, Q5_1: as Q4_0 (bias 16), Q4_1, with the fifth bits
+    K-quants: per super-block of 256 (8 blocks of x), per x block b
+           d_w d_x sum_j sc_j q_j xq_j  (sc_j: the integer scale of j's sub-block)
+           - dmin_w d_x sum_j min_j xq_j  (Q4_K, Q5_K, Q2_K)
+
+The K-quants use the same x blocks of 32 as the other types (llama.cpp quantizes x per 256
+for them, Q8_K): the fused decode step quantizes each activation once for every type, and
+the finer blocks lose less to x's outliers.
 
 The integer block sums are exact; only the scaling and the float accumulation round. The
 result differs from the float32-activation product (``npllama.quants._matvec``) by the
@@ -25,6 +33,8 @@ Njit level (C-contiguous arrays; nothing raises; ``code`` is ``int(qtype)``):
 * ``_dot_row_q8_0_i8(row, qs, d, nb)``, ``_dot_row_q4_0_i8(row, qs, d, s, nb)``,
   ``_dot_row_q4_1_i8(row, qs, d, s, nb)``: float32 dot of one uint8 weight row of ``nb``
   blocks with the quantized x (Q4_0 ignores s).
+* ``_dot_row_q5_0_i8``, ``_dot_row_q5_1_i8`` (row, qs, d, s, nb): the same for Q5_0/Q5_1;
+  ``_dot_row_<k>_i8(row, qs, d, s, nb)`` for Q4_K, Q5_K, Q6_K, Q3_K, Q2_K (nb super-blocks).
 * ``_dot_row_q4_1p_i8(row, qs, d, s, nb)``: the same for a packed Q4_1 row (``_Q4_1P``, the
   layout the fused decode step keeps its Q4_1 weights in, in int8 mode; see ``pack_q4_1``).
 * ``_pack_q4_1(src, dst)``: pack Q4_1 rows, row-parallel.
@@ -59,9 +69,10 @@ from numba import config as numba_config, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .quants import (_F32T, _FAST_FLAGS, _HW_F16, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q8_0,
-                     _ir_accumulate, _ir_call, _ir_f16_exact, _ir_hsum, _ir_i32, _ir_load, _ir_splat, _ir_vec_zero,
-                     _is_c_array, _matvec, _prefetch_ahead, _product_args, _task_rows)
+from .quants import (_F32T, _FAST_FLAGS, _HW_F16, _I8, _I16, _I32, _Q2_K, _Q3_K, _Q4_0, _Q4_1, _Q4_K, _Q5_0,
+                     _Q5_1, _Q5_K, _Q6_K, _Q8_0, _const_vec, _ir_accumulate, _ir_b8, _ir_call, _ir_f16_exact,
+                     _ir_f16_fast, _ir_hsum, _ir_i32, _ir_k_scales, _ir_load, _ir_load_f16, _ir_qh_bits, _ir_splat,
+                     _ir_vec_zero, _is_c_array, _matvec, _prefetch_ahead, _product_args, _shuffle, _task_rows, _vec)
 
 __all__ = ["DOT_ISA", "INT8_TYPES", "VNNI", "matmul_int8", "pack_q4_1", "quantize_x"]
 
@@ -93,25 +104,14 @@ DOT_ISA: str = _dot_isa(_target_features())
 VNNI: bool = DOT_ISA.startswith("vnni")
 """Whether the int8 dots use vpdpbusd."""
 
-INT8_TYPES: tuple[QT, ...] = (QT.Q8_0, QT.Q4_0, QT.Q4_1)
+INT8_TYPES: tuple[QT, ...] = (QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q3_K,
+                              QT.Q2_K)
 """Weight types with an int8-activation kernel; the others fall back to the float32 kernels."""
 
 
 # ---------------------------------------------------------------------------------------
 # LLVM IR helpers
 # ---------------------------------------------------------------------------------------
-
-def _vec(ty, n):
-    return ir.VectorType(ty, n)
-
-
-def _const_vec(ty, n, v):
-    return ir.Constant(_vec(ty, n), v if isinstance(v, list) else [v] * n)
-
-
-def _shuffle(builder, a, b, idx):
-    return builder.shuffle_vector(a, b, ir.Constant(_vec(_I32, len(idx)), idx))
-
 
 def _ir_opaque(builder, v):
     """``v`` through an empty inline asm: the same value, which the optimizer cannot see through."""
@@ -208,6 +208,8 @@ _BLOCKS = {  # kind: (block bytes, offset of the quants, whether an m follows d)
     "q8_0": (34, 2, False),
     "q4_0": (18, 2, False),
     "q4_1": (20, 4, True),
+    "q5_0": (22, 6, False),   # fifth bits: the uint32 at offset 2
+    "q5_1": (24, 8, True),    # fifth bits: the uint32 at offset 4
 }
 
 
@@ -267,7 +269,12 @@ def _ir_block_dot(builder, rp, qp, b, kind, isa):
         return _ir_dot_ss(builder, _ir_load(builder, rp, qo, _vec(_I8, 32), 1), xq, isa)
     if kind == "q4_0":
         return _ir_dot_ss(builder, builder.sub(_ir_nibbles(builder, rp, qo, isa), _const_vec(_I8, 32, 8)), xq, isa)
-    return _ir_dot_us(builder, _ir_nibbles(builder, rp, qo, isa), xq, isa)
+    q = _ir_nibbles(builder, rp, qo, isa)
+    if kind in ("q5_0", "q5_1"):  # | the fifth bits (16 or 0), from the uint32 before the nibbles
+        q = builder.or_(q, _ir_qh_bits(builder, rp, builder.sub(qo, c(4))))
+        if kind == "q5_0":
+            return _ir_dot_ss(builder, _ir_b8(builder, q, "sub", 16), xq, isa)
+    return _ir_dot_us(builder, q, xq, isa)
 
 
 def _ir_scales(builder, rp, dp, sp, b, g, kind):
@@ -401,10 +408,28 @@ def _make_row_dots(isa: str, group: int = 4, n_acc: int = 2, hadd: bool | None =
             return None
         return types.float32(row, qs, d, s, nb), make_codegen("q4_1")
 
-    return _dot_row_q8_0_i8, _dot_row_q4_0_i8, _dot_row_q4_1_i8
+    @intrinsic
+    def _dot_row_q5_0_i8(typingctx, row, qs, d, s, nb):
+        """Dot of a Q5_0 row of ``nb`` blocks with the int8-quantized x (qs, d; s is unused).
+        Block (22 B): d f16 | qh u32 (bit j: fifth bit of element j) | 16 bytes of nibbles (as
+        Q4_0);  sum_b d_w d_x sum_j (q5_j - 16) q_j."""
+        if not ok(row, qs, d, s, nb):
+            return None
+        return types.float32(row, qs, d, s, nb), make_codegen("q5_0")
+
+    @intrinsic
+    def _dot_row_q5_1_i8(typingctx, row, qs, d, s, nb):
+        """Dot of a Q5_1 row of ``nb`` blocks with the int8-quantized x (qs, d, block sums s).
+        Block (24 B): d f16 | m f16 | qh u32 | 16 bytes of nibbles;
+        sum_b d_w d_x sum_j q5_j q_j + m_w s_b."""
+        if not ok(row, qs, d, s, nb):
+            return None
+        return types.float32(row, qs, d, s, nb), make_codegen("q5_1")
+
+    return _dot_row_q8_0_i8, _dot_row_q4_0_i8, _dot_row_q4_1_i8, _dot_row_q5_0_i8, _dot_row_q5_1_i8
 
 
-_dot_row_q8_0_i8, _dot_row_q4_0_i8, _dot_row_q4_1_i8 = _make_row_dots(DOT_ISA)
+_dot_row_q8_0_i8, _dot_row_q4_0_i8, _dot_row_q4_1_i8, _dot_row_q5_0_i8, _dot_row_q5_1_i8 = _make_row_dots(DOT_ISA)
 
 
 # ---------------------------------------------------------------------------------------
@@ -469,6 +494,33 @@ def pack_q4_1(data) -> np.ndarray:
     return out
 
 
+def _ir_lane_sums(builder, dots, x86):
+    """<g x i32>: the lane sums of g (1, 2, 4 or 8) i32 dot vectors, in order. On x86 (8-lane
+    dots) by pairwise vphaddd, else each by a reduction."""
+    g = len(dots)
+    if not x86 or g == 1:
+        sums = [_ir_call(builder, f"llvm.vector.reduce.add.v{d.type.count}i32", _I32, [d]) for d in dots]
+        v = ir.Constant(_vec(_I32, g), ir.Undefined)
+        for i, e in enumerate(sums):
+            v = builder.insert_element(v, e, _ir_i32(i))
+        return v
+
+    def phadd(a, b):
+        return _ir_call(builder, "llvm.x86.avx2.phadd.d", _vec(_I32, 8), [a, b])
+
+    if g == 2:
+        h = phadd(dots[0], dots[1])
+        h = phadd(h, h)                                     # [a b a b | a b a b] (half sums)
+        return builder.add(_shuffle(builder, h, h, [0, 1]), _shuffle(builder, h, h, [4, 5]))
+    quads = [phadd(phadd(dots[i], dots[i + 1]), phadd(dots[i + 2], dots[i + 3])) for i in range(0, g, 4)]
+    a = quads[0]                                            # [b0 b1 b2 b3 | b0 b1 b2 b3] (half sums)
+    if g == 4:
+        return builder.add(_shuffle(builder, a, a, [0, 1, 2, 3]), _shuffle(builder, a, a, [4, 5, 6, 7]))
+    b = quads[1]
+    return builder.add(_shuffle(builder, a, b, [0, 1, 2, 3, 12, 13, 14, 15]),
+                       _shuffle(builder, a, b, [4, 5, 6, 7, 8, 9, 10, 11]))
+
+
 def _make_packed_q4_1_dot(isa: str):
     """The int8 dot intrinsic ``(row, qs, d, s, nb) -> float32`` of a packed Q4_1 row for ``isa``.
 
@@ -506,28 +558,8 @@ def _make_packed_q4_1_dot(isa: str):
             d1, d3 = two_blocks(builder.add(o, c(32)), builder.add(b0, c(1)), builder.add(b0, c(3)))
             return [d0, d1, d2, d3]
 
-        def phadd(a, b):
-            return _ir_call(builder, "llvm.x86.avx2.phadd.d", v8, [a, b])
-
-        def block_sums(dots):  # <g x i32>: the block sums of g dots (lanes)
-            g = len(dots)
-            if not x86 or g == 1:
-                sums = [_ir_call(builder, f"llvm.vector.reduce.add.v{d.type.count}i32", _I32, [d]) for d in dots]
-                v = ir.Constant(_vec(_I32, g), ir.Undefined)
-                for i, e in enumerate(sums):
-                    v = builder.insert_element(v, e, _ir_i32(i))
-                return v
-            if g == 2:
-                h = phadd(dots[0], dots[1])
-                h = phadd(h, h)                                     # [a b a b | a b a b] (half sums)
-                return builder.add(_shuffle(builder, h, h, [0, 1]), _shuffle(builder, h, h, [4, 5]))
-            quads = [phadd(phadd(dots[i], dots[i + 1]), phadd(dots[i + 2], dots[i + 3])) for i in range(0, g, 4)]
-            a = quads[0]                                            # [b0 b1 b2 b3 | b0 b1 b2 b3] (half sums)
-            if g == 4:
-                return builder.add(_shuffle(builder, a, a, [0, 1, 2, 3]), _shuffle(builder, a, a, [4, 5, 6, 7]))
-            b = quads[1]
-            return builder.add(_shuffle(builder, a, b, [0, 1, 2, 3, 12, 13, 14, 15]),
-                               _shuffle(builder, a, b, [4, 5, 6, 7, 8, 9, 10, 11]))
+        def block_sums(dots):
+            return _ir_lane_sums(builder, dots, x86)
 
         def add_blocks(b0, g):  # blocks b0 .. b0+g-1 into the accumulators of size g
             dots = group_dots(b0, g) if g < 8 else group_dots(b0, 4) + group_dots(builder.add(b0, c(4)), 4)
@@ -567,13 +599,169 @@ _dot_row_q4_1p_i8 = _make_packed_q4_1_dot(DOT_ISA)
 
 
 # ---------------------------------------------------------------------------------------
+# K-quant rows with the int8 x
+#
+# The x blocks of 32 are the same as for the other types (one float32 scale d_x and sum s_x
+# per block); a super-block of 256 weights meets 8 of them. Its runs of 32 quants (unpacked as
+# in the float32 dots of npllama.quants) are dotted with those blocks into int32 lanes: Q4_K
+# and Q5_K's 32-element sub-blocks as they are, their 8 lane sums (vphaddd) converted at once
+# and scaled by d_w sc_j d_x, their minimums dmin min_j s_x one 8-lane multiply-add; the
+# 16-element sub-blocks of Q6_K, Q3_K and Q2_K multiply each half of a run's lanes by its
+# integer scale before the lane sums (Q2_K's minimums: the same with the 16-element sums of x's
+# quants, a dot with ones). One multiply-add per super-block and accumulator.
+# ---------------------------------------------------------------------------------------
+
+def _ir_dot_halves(builder, q, xq, signed, isa):
+    """i32 lanes whose first half sums to dot(q[:16], xq[:16]) and second half to
+    dot(q[16:], xq[16:]), for <32 x i8> q (signed: in [-127, 127]; else unsigned <= 128)."""
+    if isa != "generic":  # vpdpbusd / vpmaddubsw+vpmaddwd lane i sums bytes 4i..4i+3
+        return (_ir_dot_ss if signed else _ir_dot_us)(builder, q, xq, isa)
+    v16, v8 = _vec(_I16, 32), _vec(_I32, 8)
+    p = builder.mul((builder.sext if signed else builder.zext)(q, v16), builder.sext(xq, v16), flags=["nsw"])
+    part = [builder.sext(_shuffle(builder, p, p, list(range(i, i + 8))), v8) for i in (0, 8, 16, 24)]
+    return _shuffle(builder, builder.add(part[0], part[1]), builder.add(part[2], part[3]), list(range(16)))
+
+
+def _make_k_dots(isa: str):
+    """The int8 dot intrinsics ``(row, qs, d, s, nb) -> float32`` of Q4_K, Q5_K, Q6_K, Q3_K and
+    Q2_K rows of ``nb`` super-blocks for ``isa``."""
+    x86 = isa != "generic"
+
+    def codegen_for(kind):
+        def codegen(context, builder, sig, args):
+            rp, qp, dp, sp = (context.make_array(ty)(context, builder, a).data for ty, a in zip(sig.args[:-1], args[:-1]))
+            nb = context.cast(builder, args[-1], sig.args[-1], types.intp)
+            c = lambda v: ir.Constant(nb.type, v)  # noqa: E731
+            acc = cgutils.alloca_once_value(builder, _ir_vec_zero(8))
+            acc_m = cgutils.alloca_once_value(builder, _ir_vec_zero(8))
+            v8f = _vec(_F32T, 8)
+
+            def f16(o):
+                return _ir_f16_fast(builder, _ir_load_f16(builder, rp, o))
+
+            def scaled_halves(lanes, sc16, s):  # lanes * [sc16[s] (first half), sc16[s + 1] (second)]
+                n = lanes.type.count
+                return builder.mul(lanes, _shuffle(builder, sc16, sc16, [s] * (n // 2) + [s + 1] * (n // 2)))
+
+            with cgutils.for_range(builder, nb) as loop:
+                b = loop.index
+                xq = [_ir_load(builder, qp, builder.add(builder.mul(b, c(256)), c(32 * j)), _vec(_I8, 32), 1)
+                      for j in range(8)]
+                dx = _ir_load(builder, dp, builder.mul(b, c(8)), v8f, 4)
+                if kind in ("q4_k", "q5_k"):
+                    five = kind == "q5_k"
+                    o = builder.mul(b, c(176 if five else 144))
+                    d, dmin = f16(o), f16(builder.add(o, c(2)))
+                    sc, mn = _ir_k_scales(builder, rp, builder.add(o, c(4)))
+                    qh = _ir_load(builder, rp, builder.add(o, c(16)), _vec(_I8, 32), 1) if five else None
+                    dots = []
+                    for k in range(4):
+                        v = _ir_load(builder, rp, builder.add(o, c((48 if five else 16) + 32 * k)), _vec(_I8, 32), 1)
+                        for h in range(2):
+                            j = 2 * k + h
+                            q = _ir_b8(builder, v, "and", 15) if h == 0 else _ir_b8(builder, v, "lshr", 4)
+                            if five:
+                                bit = _ir_b8(builder, _ir_b8(builder, qh, "lshr", j), "and", 1)
+                                q = builder.or_(q, _ir_b8(builder, bit, "shl", 4))
+                            dots.append(_ir_dot_us(builder, q, xq[j], isa))
+                    sums = builder.sitofp(_ir_lane_sums(builder, dots, x86), v8f)
+                    dl = builder.fmul(_ir_splat(builder, d, 8), builder.sitofp(sc, v8f), flags=_FAST_FLAGS)
+                    _ir_accumulate(builder, acc, builder.fmul(builder.fmul(dl, dx, flags=_FAST_FLAGS), sums,
+                                                              flags=_FAST_FLAGS))
+                    ml = builder.fmul(_ir_splat(builder, dmin, 8), builder.sitofp(mn, v8f), flags=_FAST_FLAGS)
+                    sx = _ir_load(builder, sp, builder.mul(b, c(8)), v8f, 4)
+                    _ir_accumulate(builder, acc_m, builder.fmul(ml, sx, flags=_FAST_FLAGS))
+                else:
+                    runs, mins = [], None  # runs: (quants of elements 32r.., signed); scales: <16 x i32>
+                    v16 = _vec(_I32, 16)
+                    if kind == "q6_k":
+                        o = builder.mul(b, c(210))
+                        d = f16(builder.add(o, c(208)))
+                        sc16 = builder.sext(_ir_load(builder, rp, builder.add(o, c(192)), _vec(_I8, 16), 1), v16)
+                        for h in range(2):
+                            ql = [_ir_load(builder, rp, builder.add(o, c(64 * h + 32 * i)), _vec(_I8, 32), 1)
+                                  for i in range(2)]
+                            qh = _ir_load(builder, rp, builder.add(o, c(128 + 32 * h)), _vec(_I8, 32), 1)
+                            for k in range(4):
+                                lo = _ir_b8(builder, ql[k & 1], "and" if k < 2 else "lshr", 15 if k < 2 else 4)
+                                hi = _ir_b8(builder, _ir_b8(builder, _ir_b8(builder, qh, "lshr", 2 * k), "and", 3),
+                                            "shl", 4)
+                                runs.append((_ir_b8(builder, builder.or_(lo, hi), "sub", 32), True))
+                    elif kind == "q3_k":
+                        o = builder.mul(b, c(110))
+                        d = f16(builder.add(o, c(108)))
+                        lo8 = _ir_load(builder, rp, builder.add(o, c(96)), _vec(_I8, 8), 1)
+                        hi4 = _ir_load(builder, rp, builder.add(o, c(104)), _vec(_I8, 4), 1)
+                        lo = builder.zext(_shuffle(builder, lo8, lo8, list(range(8)) * 2), v16)
+                        lo = builder.and_(builder.lshr(lo, _const_vec(_I32, 16, [0] * 8 + [4] * 8)),
+                                          _const_vec(_I32, 16, 15))
+                        hi = builder.zext(_shuffle(builder, hi4, hi4, [t & 3 for t in range(16)]), v16)
+                        hi = builder.and_(builder.lshr(hi, _const_vec(_I32, 16, [2 * (t >> 2) for t in range(16)])),
+                                          _const_vec(_I32, 16, 3))
+                        sc16 = builder.sub(builder.or_(lo, builder.shl(hi, _const_vec(_I32, 16, 4))),
+                                           _const_vec(_I32, 16, 32))
+                        hm = _ir_load(builder, rp, o, _vec(_I8, 32), 1)
+                        for h in range(2):
+                            qs_ = _ir_load(builder, rp, builder.add(o, c(32 + 32 * h)), _vec(_I8, 32), 1)
+                            for kk in range(4):
+                                low = _ir_b8(builder, _ir_b8(builder, qs_, "lshr", 2 * kk), "and", 3)
+                                high = _ir_b8(builder, _ir_b8(builder, _ir_b8(builder, hm, "lshr", 4 * h + kk), "and", 1),
+                                              "shl", 2)
+                                runs.append((_ir_b8(builder, builder.or_(low, high), "sub", 4), True))
+                    else:  # q2_k
+                        o = builder.mul(b, c(84))
+                        d, dmin = f16(builder.add(o, c(80))), f16(builder.add(o, c(82)))
+                        sb = builder.zext(_ir_load(builder, rp, o, _vec(_I8, 16), 1), v16)
+                        sc16 = builder.and_(sb, _const_vec(_I32, 16, 15))
+                        mins = builder.lshr(sb, _const_vec(_I32, 16, 4))
+                        for h in range(2):
+                            qs_ = _ir_load(builder, rp, builder.add(o, c(16 + 32 * h)), _vec(_I8, 32), 1)
+                            for k in range(4):
+                                runs.append((_ir_b8(builder, _ir_b8(builder, qs_, "lshr", 2 * k), "and", 3), False))
+                    dots = [scaled_halves(_ir_dot_halves(builder, q, xq[r], signed, isa), sc16, 2 * r)
+                            for r, (q, signed) in enumerate(runs)]
+                    sums = builder.sitofp(_ir_lane_sums(builder, dots, x86), v8f)
+                    ddx = builder.fmul(_ir_splat(builder, d, 8), dx, flags=_FAST_FLAGS)
+                    _ir_accumulate(builder, acc, builder.fmul(ddx, sums, flags=_FAST_FLAGS))
+                    if mins is not None:  # sum over the 16-element sub-blocks of min_s * (sum of x's quants)
+                        ones = _const_vec(_I8, 32, 1)
+                        mdots = [scaled_halves(_ir_dot_halves(builder, ones, xq[r], False, isa), mins, 2 * r)
+                                 for r in range(8)]
+                        msums = builder.sitofp(_ir_lane_sums(builder, mdots, x86), v8f)
+                        mdx = builder.fmul(_ir_splat(builder, dmin, 8), dx, flags=_FAST_FLAGS)
+                        _ir_accumulate(builder, acc_m, builder.fmul(mdx, msums, flags=_FAST_FLAGS))
+            return builder.fsub(_ir_hsum(builder, builder.load(acc)), _ir_hsum(builder, builder.load(acc_m)),
+                                flags=_FAST_FLAGS)
+
+        return codegen
+
+    def make(kind, doc):
+        def typer(typingctx, row, qs, d, s, nb):
+            if not (_is_c_array(row, types.uint8) and _is_c_array(qs, types.int8) and _is_c_array(d, types.float32)
+                    and _is_c_array(s, types.float32) and isinstance(nb, types.Integer)):
+                return None
+            return types.float32(row, qs, d, s, nb), codegen_for(kind)
+
+        typer.__name__ = typer.__qualname__ = f"_dot_row_{kind}_i8"
+        typer.__doc__ = doc
+        return intrinsic(typer)
+
+    return tuple(make(kind, f"Dot of a {kind.upper()} row of nb super-blocks with the int8-quantized x (qs, d, "
+                            f"block sums s).") for kind in ("q4_k", "q5_k", "q6_k", "q3_k", "q2_k"))
+
+
+_dot_row_q4_k_i8, _dot_row_q5_k_i8, _dot_row_q6_k_i8, _dot_row_q3_k_i8, _dot_row_q2_k_i8 = _make_k_dots(DOT_ISA)
+
+
+# ---------------------------------------------------------------------------------------
 # Row-parallel kernels and the dispatcher
 # ---------------------------------------------------------------------------------------
 
 @njit(cache=True)
 def _has_i8(code):
     """Whether weights of type ``code`` (or packed Q4_1, ``_Q4_1P``) have an int8-activation kernel."""
-    return code == _Q4_1 or code == _Q8_0 or code == _Q4_0 or code == _Q4_1P
+    return (code == _Q4_1 or code == _Q8_0 or code == _Q4_0 or code == _Q4_1P or code == _Q5_0 or code == _Q5_1
+            or code == _Q4_K or code == _Q5_K or code == _Q6_K or code == _Q3_K or code == _Q2_K)
 
 
 @njit(cache=True)
@@ -593,6 +781,34 @@ def _rows_i8(code, data, r0, r1, qs, d, s, out):
         for r in range(r0, r1):
             _prefetch_ahead(data, r)
             out[r] = _dot_row_q8_0_i8(data[r], qs, d, nb)
+    elif code == _Q5_0:
+        for r in range(r0, r1):
+            _prefetch_ahead(data, r)
+            out[r] = _dot_row_q5_0_i8(data[r], qs, d, s, nb)
+    elif code == _Q4_K:
+        for r in range(r0, r1):
+            _prefetch_ahead(data, r)
+            out[r] = _dot_row_q4_k_i8(data[r], qs, d, s, nb // 8)
+    elif code == _Q6_K:
+        for r in range(r0, r1):
+            _prefetch_ahead(data, r)
+            out[r] = _dot_row_q6_k_i8(data[r], qs, d, s, nb // 8)
+    elif code == _Q5_K:
+        for r in range(r0, r1):
+            _prefetch_ahead(data, r)
+            out[r] = _dot_row_q5_k_i8(data[r], qs, d, s, nb // 8)
+    elif code == _Q5_1:
+        for r in range(r0, r1):
+            _prefetch_ahead(data, r)
+            out[r] = _dot_row_q5_1_i8(data[r], qs, d, s, nb)
+    elif code == _Q3_K:
+        for r in range(r0, r1):
+            _prefetch_ahead(data, r)
+            out[r] = _dot_row_q3_k_i8(data[r], qs, d, s, nb // 8)
+    elif code == _Q2_K:
+        for r in range(r0, r1):
+            _prefetch_ahead(data, r)
+            out[r] = _dot_row_q2_k_i8(data[r], qs, d, s, nb // 8)
     else:
         for r in range(r0, r1):
             _prefetch_ahead(data, r)

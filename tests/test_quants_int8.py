@@ -15,9 +15,13 @@ from npllama import quants
 from npllama import quants_int8 as qi
 from npllama.threads import using_threads
 from test_products import small_scale_bits, weight
-from test_quants import random_blocks
+from test_quants import SCALE_OFFSETS, random_blocks
 
 INT8_TYPES = [QT.Q8_0, QT.Q4_0, QT.Q4_1]
+# types whose int8 dots are checked against ref_scaled_int8 (the K-quants: rows of 256-element super-blocks)
+FIVE_TYPES = [QT.Q5_0, QT.Q5_1]
+K_TYPES = [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q3_K, QT.Q2_K]
+NEW_TYPES = FIVE_TYPES + K_TYPES
 
 
 # ---------------------------------------------------------------------------------------
@@ -67,9 +71,45 @@ def ref_int8_product(data, qtype, qs, d, s):
     return value, bound
 
 
+def _with_scales(data, qtype, d, m):
+    """gguf's dequantization of ``data`` with every block's float16 d set to ``d`` and its
+    dmin/m (where it has one) to ``m``: with (1, 0) the exact integer weights sc * q (sc: the
+    sub-block's integer scale; q with its bias), with (0, 1) the integer minimums, negated for
+    the K-quants (w = d sc q - dmin min) and as they are for Q5_1 (w = d q + m)."""
+    _, size = GGML_QUANT_SIZES[qtype]
+    blk = np.ascontiguousarray(data).reshape(data.shape[0], -1, size).copy()
+    for o, v in zip(SCALE_OFFSETS[qtype], (d, m)):
+        blk[..., o:o + 2] = np.array([v], np.float16).view(np.uint8)
+    return gguf.quants.dequantize(blk.reshape(data.shape[0], -1), qtype).astype(np.int64)
+
+
+def ref_scaled_int8(data, qtype, qs, d, s):
+    """(value, error scale) per row, for any block type: per block b of 32 elements of x, the
+    exact integer sums of the weights' integers (sc * q, as _with_scales gives them) and of
+    their minimums times x's quants, then in float64 d_w d_x isum_b + dmin_w d_x msum_b."""
+    rows = data.shape[0]
+    _, size = GGML_QUANT_SIZES[qtype]
+    offs = SCALE_OFFSETS[qtype]
+    blk = np.ascontiguousarray(data).reshape(rows, -1, size)
+    per = (qs.shape[0] // 32) // blk.shape[1]  # x blocks per weight block
+    f16 = lambda o: np.repeat(blk[..., o:o + 2].copy().view(np.float16)[..., 0].astype(np.float64), per, axis=1)  # noqa: E731
+    dw = f16(offs[0])
+    mw = f16(offs[1]) if len(offs) > 1 else np.zeros_like(dw)
+    xq = qs.reshape(-1, 32).astype(np.int64)
+    w1 = _with_scales(data, qtype, 1.0, 0.0).reshape(rows, -1, 32)
+    m1 = (_with_scales(data, qtype, 0.0, 1.0).reshape(rows, -1, 32) if len(offs) > 1 else np.zeros_like(w1))
+    isum, msum = (w1 * xq).sum(axis=-1), (m1 * xq).sum(axis=-1)
+    iabs, mabs = (np.abs(w1) * np.abs(xq)).sum(axis=-1), (np.abs(m1) * np.abs(xq)).sum(axis=-1)
+    dx = d.astype(np.float64)
+    value = (dw * dx * isum + mw * dx * msum).sum(axis=-1)
+    bound = (np.abs(dw * dx) * iabs + np.abs(mw * dx) * mabs).sum(axis=-1)
+    return value, bound
+
+
 def assert_int8_close(y, data, qtype, qs, d, s):
     """y agrees with the reference up to float32 rounding of the scaling and the summation."""
-    value, bound = ref_int8_product(data, qtype, qs, d, s)
+    ref = ref_int8_product if qtype in INT8_TYPES else ref_scaled_int8
+    value, bound = ref(data, qtype, qs, d, s)
     assert y.dtype == np.float32 and y.shape == value.shape
     err = np.abs(y.astype(np.float64) - value)
     # worst case of float32 rounding: a few ulp of the magnitude per sequential addition
@@ -148,7 +188,8 @@ def row_kernels(isa, group=4, n_acc=2, hadd=None):
     """njit (data, qs, d, s, out) loops over the rows with the dots of ``isa`` (not cached)."""
     key = (isa, group, n_acc, hadd)
     if key not in _ROW_KERNELS:
-        d8, d40, d41 = qi._make_row_dots(isa, group, n_acc, hadd)
+        d8, d40, d41, d50, d51 = qi._make_row_dots(isa, group, n_acc, hadd)
+        k4, k5, k6, k3, k2 = qi._make_k_dots(isa)
 
         @njit
         def q8_0(data, qs, d, s, out):
@@ -165,7 +206,26 @@ def row_kernels(isa, group=4, n_acc=2, hadd=None):
             for r in range(data.shape[0]):
                 out[r] = d41(data[r], qs, d, s, qs.shape[0] // 32)
 
-        _ROW_KERNELS[key] = {QT.Q8_0: q8_0, QT.Q4_0: q4_0, QT.Q4_1: q4_1}
+        @njit
+        def q5_0(data, qs, d, s, out):
+            for r in range(data.shape[0]):
+                out[r] = d50(data[r], qs, d, s, qs.shape[0] // 32)
+
+        @njit
+        def q5_1(data, qs, d, s, out):
+            for r in range(data.shape[0]):
+                out[r] = d51(data[r], qs, d, s, qs.shape[0] // 32)
+
+        def k_rows(dot):
+            @njit
+            def rows(data, qs, d, s, out):
+                for r in range(data.shape[0]):
+                    out[r] = dot(data[r], qs, d, s, qs.shape[0] // 256)
+            return rows
+
+        _ROW_KERNELS[key] = {QT.Q8_0: q8_0, QT.Q4_0: q4_0, QT.Q4_1: q4_1, QT.Q5_0: q5_0, QT.Q5_1: q5_1,
+                             QT.Q4_K: k_rows(k4), QT.Q5_K: k_rows(k5), QT.Q6_K: k_rows(k6), QT.Q3_K: k_rows(k3),
+                             QT.Q2_K: k_rows(k2)}
     return _ROW_KERNELS[key]
 
 
@@ -187,6 +247,48 @@ def test_row_dots_every_isa(isa, qtype):
         out = np.full(5, np.nan, np.float32)
         kernels[qtype](data, qs, d, s, out)
         assert_int8_close(out, data, qtype, qs, d, s)
+
+
+def block_elems(qtype):
+    return GGML_QUANT_SIZES[qtype][0]
+
+
+@pytest.mark.parametrize("isa", runnable_isas())
+@pytest.mark.parametrize("qtype", NEW_TYPES, ids=lambda t: t.name)
+def test_new_row_dots_every_isa(isa, qtype):
+    """Q5_0, Q5_1 and the K-quants against the exact integer reference of the same quantized x:
+    rows of one block (256 elements for the K-quants) and several, 5 rows, x with one block of
+    outliers."""
+    rng = np.random.default_rng(int(qtype) + 20)
+    kernels = row_kernels(isa)
+    for blocks in ((1, 2, 3, 4, 5, 9, 18) if qtype in FIVE_TYPES else (1, 2, 3, 6)):
+        data = full_range_weight(qtype, 5, blocks, rng)
+        x = rng.normal(size=block_elems(qtype) * blocks).astype(np.float32)
+        x[32:64] *= 100.0
+        qs, d, s = qi.quantize_x(x)
+        out = np.full(5, np.nan, np.float32)
+        kernels[qtype](data, qs, d, s, out)
+        assert_int8_close(out, data, qtype, qs, d, s)
+
+
+@pytest.mark.parametrize("qtype", NEW_TYPES, ids=lambda t: t.name)
+def test_new_row_dot_extremes(qtype):
+    """All weight bytes 0xFF, 0x00 or 0x80 (every quant and scale at an extreme) with x at +-127:
+    the largest integer sums, no saturation or wrap in any instruction set."""
+    _, size = GGML_QUANT_SIZES[qtype]
+    data = np.zeros((3, 2, size), np.uint8)
+    data[0], data[1], data[2] = 0xFF, 0x00, 0x80
+    for i, o in enumerate(SCALE_OFFSETS[qtype]):
+        data[..., o:o + 2] = np.array([0.5 if i == 0 else -0.25], np.float16).view(np.uint8)
+    data = data.reshape(3, -1)
+    n = 2 * block_elems(qtype)
+    alternating = np.where(np.arange(n) % 2, -127.0, 127.0).astype(np.float32)
+    for x in (np.full(n, 127.0, np.float32), np.full(n, -127.0, np.float32), alternating):
+        qs, d, s = qi.quantize_x(x)
+        for isa in runnable_isas():
+            out = np.empty(3, np.float32)
+            row_kernels(isa)[qtype](data, qs, d, s, out)
+            assert_int8_close(out, data, qtype, qs, d, s)
 
 
 @pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda t: t.name)
@@ -384,11 +486,42 @@ def test_close_to_float_product(qtype):
             assert np.linalg.norm(y - y32) / np.linalg.norm(ref) < limit
 
 
-@pytest.mark.parametrize("qtype", [QT.Q6_K, QT.Q5_1, QT.F16, QT.F32], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", NEW_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_new_matvec_kernels(qtype, rows, threads):
+    """_matvec_i8, matmul_int8 and the decode step's _rows_i8 on Q5_0, Q5_1 and the K-quants."""
+    rng = np.random.default_rng(rows * 10 + int(qtype))
+    for blocks in (1, 3):
+        data = full_range_weight(qtype, rows, blocks, rng)
+        x = rng.normal(size=block_elems(qtype) * blocks).astype(np.float32)
+        qs, d, s = qi.quantize_x(x)
+        out = np.full(rows, np.nan, np.float32)
+        qi._matvec_i8(int(qtype), data, x, qs, d, s, out)
+        assert_int8_close(out, data, qtype, qs, d, s)
+        assert_int8_close(qi.matmul_int8(data, qtype, x), data, qtype, qs, d, s)
+        out3 = np.full(rows, np.nan, np.float32)
+        qi._rows_i8(int(qtype), data, rows // 2, rows, qs, d, s, out3)
+        assert np.isnan(out3[:rows // 2]).all()
+        assert_int8_close(out3[rows // 2:], data[rows // 2:], qtype, qs, d, s)
+
+
+@pytest.mark.parametrize("qtype", NEW_TYPES, ids=lambda t: t.name)
+def test_new_types_close_to_float_product(qtype):
+    """Sanity: on weights with realistic scales and Gaussian x, the int8 product is within 1.5%
+    (of the output norm) of the float32 product."""
+    rng = np.random.default_rng(16)
+    data = full_range_weight(qtype, 64, 1536 // block_elems(qtype), rng)
+    x = rng.normal(size=1536).astype(np.float32)
+    ref = quants.matmul(data, qtype, x).astype(np.float64)
+    y = qi.matmul_int8(data, qtype, x)
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 0.015
+
+
+@pytest.mark.parametrize("qtype", [QT.BF16, QT.F16, QT.F32], ids=lambda t: t.name)
 def test_other_types_fall_back(qtype, threads):
     """Types without an int8 kernel: the float32 kernel on x, bit-identical with quants.matmul."""
     rng = np.random.default_rng(7)
-    blocks = 1 if qtype == QT.Q6_K else 8
+    blocks = 8
     data = weight(qtype, 6, rng, blocks=blocks)
     x = rng.normal(size=quants.row_elems(qtype, data.shape[1])).astype(np.float32)
     ref = quants.matmul(data, qtype, x)
@@ -404,9 +537,10 @@ def test_other_types_fall_back(qtype, threads):
 
 
 def test_has_i8():
-    assert [qi._has_i8(int(t)) for t in INT8_TYPES] == [True] * 3
+    assert all(qi._has_i8(int(t)) for t in INT8_TYPES + NEW_TYPES)
     assert qi._has_i8(qi._Q4_1P)
-    assert set(qi.INT8_TYPES) == set(INT8_TYPES)
+    assert set(qi.INT8_TYPES) == set(INT8_TYPES + NEW_TYPES)
+    assert not any(qi._has_i8(int(t)) for t in (QT.F32, QT.F16, QT.BF16))
 
 
 def test_wrapper_conversions_and_out():
@@ -485,10 +619,10 @@ from npllama import quants_int8 as qi, quants
 import test_quants_int8 as t
 assert qi.DOT_ISA == {isa!r}, qi.DOT_ISA
 rng = np.random.default_rng(0)
-for qtype in t.INT8_TYPES:
+for qtype in t.INT8_TYPES + t.NEW_TYPES:
     for blocks in (1, 7, 18):
         data = t.full_range_weight(qtype, 9, blocks, rng)
-        x = rng.normal(size=32 * blocks).astype(np.float32)
+        x = rng.normal(size=t.block_elems(qtype) * blocks).astype(np.float32)
         qs, d, s = qi.quantize_x(x)
         t.assert_int8_close(qi.matmul_int8(data, qtype, x), data, qtype, qs, d, s)
 print("ok", qi.DOT_ISA, quants._HW_F16)
