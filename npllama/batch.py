@@ -47,7 +47,8 @@ from numba import njit, prange
 
 from .attention import MASKED
 from .errors import ContextOverflowError
-from .generate import Completion, Token, _logprobs, _StopScanner, check_max_tokens, fit_prompt
+from .generate import (SAMPLING_KEYS, Completion, Token, _logprobs, _StopScanner, check_ctx, check_logprobs,
+                       check_max_tokens, check_stop, fit_prompt, prompt_ids)
 from . import block
 from .kernels import ACTS, _glu_row, _rmsnorm_row, _rope_row
 from .kvpool import KVPool, PoolExhaustedError, PoolSeq
@@ -474,8 +475,7 @@ def complete_many(model, prompts: Sequence, *, max_tokens: int = 256, stop: str 
     page-aligned prefixes compute them once. `stats`, if given, is filled with counts:
     prompt_tokens, prefill_tokens (computed), cached_tokens, steps, generated_tokens.
     """
-    from .textapi import _SAMPLING_KEYS, _prompt_ids
-    unknown = set(sampling_options) - _SAMPLING_KEYS
+    unknown = set(sampling_options) - SAMPLING_KEYS
     if unknown:
         raise TypeError(f"unexpected keyword arguments: {', '.join(sorted(unknown))}")
     params = SamplingParams(**{**(sampling or SamplingParams()).__dict__, **sampling_options})
@@ -484,13 +484,11 @@ def complete_many(model, prompts: Sequence, *, max_tokens: int = 256, stop: str 
         raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
     if not isinstance(step_tokens, int) or step_tokens < 1:
         raise ValueError(f"step_tokens must be an integer >= 1, got {step_tokens!r}")
-    n_ctx = model.config.n_ctx
-    if ctx is not None and (not isinstance(ctx, int) or not 1 <= ctx <= n_ctx):
-        raise ValueError(f"ctx must be an integer from 1 to the model's context {n_ctx}, got {ctx!r}")
-    ctx = ctx or n_ctx
-    stops = [stop] if isinstance(stop, str) else list(stop)
+    ctx = check_ctx(ctx, model.config.n_ctx)
+    stops = check_stop(stop)
+    logprobs = check_logprobs(logprobs)
     tok = model.tokenizer
-    reqs = [_Request(i, fit_prompt(_prompt_ids(model, p), ctx, max_tokens, truncate), max_tokens,
+    reqs = [_Request(i, fit_prompt(prompt_ids(model, p), ctx, max_tokens, truncate), max_tokens,
                      make_sampler(params), stops, tok.eot_ids, logprobs, tok, ctx)
             for i, p in enumerate(prompts)]
     st = stats if stats is not None else {}
@@ -617,12 +615,11 @@ class BeamSearch:
 
     def __init__(self, model, prompt, *, beams: int = 4, max_tokens: int = 32, pool: KVPool | None = None,
                  page_size: int = 16, kv_dtype=None, threads: int | None = None):
-        from .textapi import _prompt_ids
         if not isinstance(beams, int) or beams < 1:
             raise ValueError(f"beams must be an integer >= 1, got {beams!r}")
         check_max_tokens(max_tokens)
         self.model, self.beams, self.max_tokens, self.threads = model, beams, max_tokens, threads
-        self.prompt = _prompt_ids(model, prompt)
+        self.prompt = prompt_ids(model, prompt)
         if len(self.prompt) + max_tokens > model.config.n_ctx:
             raise ContextOverflowError(f"the prompt is {len(self.prompt)} tokens and max_tokens is {max_tokens}, "
                                        f"past the model's context of {model.config.n_ctx}")

@@ -14,7 +14,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .errors import ContextOverflowError
-from .sampling import GREEDY, Sampler, make_sampler
+from .sampling import GREEDY, Sampler, SamplingParams, make_sampler
 from .tokenizer import StreamDecoder
 
 
@@ -86,6 +86,28 @@ def check_max_tokens(max_tokens) -> int:
 def check_logprobs(logprobs) -> int:
     """`logprobs` (how many top alternatives to report per token; 0 for none) as an int."""
     return _count("logprobs", logprobs)
+
+
+def check_ctx(ctx, n_ctx: int) -> int:
+    """A context length: `ctx` checked to be an integer from 1 to `n_ctx`, or n_ctx for None."""
+    if ctx is None:
+        return n_ctx
+    if isinstance(ctx, bool) or not isinstance(ctx, numbers.Integral) or not 1 <= ctx <= n_ctx:
+        raise ValueError(f"ctx must be an integer from 1 to the model's context {n_ctx}, got {_show(ctx)}")
+    return int(ctx)
+
+
+SAMPLING_KEYS = frozenset(SamplingParams.__dataclass_fields__)  # the sampling keywords of the text API
+
+
+def prompt_ids(model, prompt) -> list[int]:
+    """The token ids of a prompt: text (encoded with its special tokens) or token ids (checked)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("the prompt is empty: give some text (or token ids) to continue")
+        return model.tokenize(prompt, special=True)
+    ids = model.check_ids(prompt)  # raises on empty or out-of-range ids
+    return [int(i) for i in ids]
 
 
 def check_stop(stop) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import ContextOverflowError
+from .generate import check_ctx
 from .kvcache import KVCache
 from .threads import check_threads
 
@@ -18,11 +19,8 @@ class Session:
 
     def __init__(self, model, *, ctx: int | None = None, threads: int | None = None,
                  cache: KVCache | None = None, tokens: list[int] | None = None):
-        n_ctx = model.config.n_ctx
-        if ctx is not None and (not isinstance(ctx, int) or not 1 <= ctx <= n_ctx):
-            raise ValueError(f"ctx must be an integer from 1 to the model's context {n_ctx}, got {ctx!r}")
         self.model = model
-        self.ctx = ctx or n_ctx
+        self.ctx = check_ctx(ctx, model.config.n_ctx)
         self.threads = check_threads(threads)
         if cache is not None:
             model.check_cache(cache)

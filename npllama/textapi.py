@@ -9,21 +9,10 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .generate import Completion, check_max_tokens, complete, fit_prompt, stream as stream_text
+from .generate import (SAMPLING_KEYS, Completion, check_max_tokens, complete, fit_prompt, prompt_ids,
+                       stream as stream_text)
 from .progress import Progress
 from .sampling import SamplingParams, make_sampler
-
-_SAMPLING_KEYS = set(SamplingParams.__dataclass_fields__)
-
-
-def _prompt_ids(model, prompt) -> list[int]:
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ValueError("the prompt is empty: give some text (or token ids) to continue")
-        return model.tokenize(prompt, special=True)
-    ids = model.check_ids(prompt)  # raises on empty or out-of-range ids
-    return [int(i) for i in ids]
-
 
 def complete_text(model, prompt, *, max_tokens: int = 256, stop: str | Sequence[str] = (), logprobs: int = 0,
                   truncate: bool = False, ctx: int | None = None, session=None,
@@ -52,12 +41,12 @@ def generate(model, prompt, *, max_tokens: int = 256, stream: bool = False, stop
 
 
 def _run(model, prompt, runner, max_tokens, stop, logprobs, truncate, ctx, session, sampling, options):
-    unknown = set(options) - _SAMPLING_KEYS
+    unknown = set(options) - SAMPLING_KEYS
     if unknown:
         raise TypeError(f"unexpected keyword arguments: {', '.join(sorted(unknown))}")
     params = SamplingParams(**{**(sampling or SamplingParams()).__dict__, **options})
     check_max_tokens(max_tokens)
-    ids = _prompt_ids(model, prompt)
+    ids = prompt_ids(model, prompt)
     session = session if session is not None else model.session(ctx=ctx)
     ids = fit_prompt(ids, session.ctx - session.pos, max_tokens, truncate)
     return runner(session, ids, max_tokens=max_tokens, sampler=make_sampler(params),
