@@ -654,12 +654,16 @@ def _ir_nib32(builder, rp, o):
 
 def _ir_qh_bits(builder, rp, o):
     """<32 x i8>: 16 where bit j of the little-endian uint32 at rp[o:] is set, else 0 (Q5_0/Q5_1's
-    fifth bits, element j)."""
-    b4 = _ir_load(builder, rp, o, _vec(_I8, 4), 1)
-    spread = _shuffle(builder, b4, b4, [j // 8 for j in range(32)])
-    on = builder.icmp_unsigned("!=", builder.and_(spread, _const_vec(_I8, 32, [1 << (j % 8) for j in range(32)])),
-                               _const_vec(_I8, 32, 0))
+    fifth bits, element j): the bits as a <32 x i1> mask (AVX-512: one kmov and a masked move)."""
+    on = builder.bitcast(_ir_load(builder, rp, o, _I32, 1), _vec(ir.IntType(1), 32))
     return builder.select(on, _const_vec(_I8, 32, 16), _const_vec(_I8, 32, 0))
+
+
+def _ir_bit_select(builder, v, bit, value):
+    """<32 x i8>: ``value`` where bit ``bit`` of byte vector v is set, else 0 (a vptestmb and a
+    masked move where AVX-512BW has them)."""
+    on = builder.icmp_unsigned("!=", _ir_b8(builder, v, "and", 1 << bit), _const_vec(_I8, 32, 0))
+    return builder.select(on, _const_vec(_I8, 32, value), _const_vec(_I8, 32, 0))
 
 
 def _ir_qx(builder, q, xp, xo):
@@ -744,7 +748,7 @@ def _block_k_4_5(builder, rp, xp, sp, b, acc, acc_m, five):
             j = 2 * k + h
             q = _ir_b8(builder, v, "and", 15) if h == 0 else _ir_b8(builder, v, "lshr", 4)
             if five:
-                q = builder.or_(q, _ir_b8(builder, _ir_b8(builder, _ir_b8(builder, qh, "lshr", j), "and", 1), "shl", 4))
+                q = builder.or_(q, _ir_bit_select(builder, qh, j, 16))
             p = _ir_qx(builder, q, xp, builder.add(x0, c(32 * j)))
             terms.append(builder.fmul(_ir_splat(builder, builder.extract_element(dl, _ir_i32(j)), 32), p,
                                       flags=_FAST_FLAGS))
@@ -806,7 +810,7 @@ def _block_q3_k(builder, rp, xp, sp, b, acc, acc_m):
         for kk in range(4):
             k = 4 * h + kk
             low = _ir_b8(builder, _ir_b8(builder, qs, "lshr", 2 * kk), "and", 3)
-            high = _ir_b8(builder, _ir_b8(builder, _ir_b8(builder, hm, "lshr", k), "and", 1), "shl", 2)
+            high = _ir_bit_select(builder, hm, k, 4)
             q = _ir_b8(builder, builder.or_(low, high), "sub", 4)
             p = _ir_qx(builder, q, xp, builder.add(x0, c(32 * k)))
             terms.append(builder.fmul(_ir_halves(builder, dl, 2 * k), p, flags=_FAST_FLAGS))

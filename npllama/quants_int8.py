@@ -70,7 +70,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .quants import (_F32T, _FAST_FLAGS, _HW_F16, _I8, _I16, _I32, _Q2_K, _Q3_K, _Q4_0, _Q4_1, _Q4_K, _Q5_0,
-                     _Q5_1, _Q5_K, _Q6_K, _Q8_0, _const_vec, _ir_accumulate, _ir_b8, _ir_call, _ir_f16_exact,
+                     _Q5_1, _Q5_K, _Q6_K, _Q8_0, _const_vec, _ir_accumulate, _ir_b8, _ir_bit_select, _ir_call, _ir_f16_exact,
                      _ir_f16_fast, _ir_hsum, _ir_i32, _ir_k_scales, _ir_load, _ir_load_f16, _ir_qh_bits, _ir_splat,
                      _ir_vec_zero, _is_c_array, _matvec, _prefetch_ahead, _product_args, _shuffle, _task_rows, _vec)
 
@@ -272,8 +272,6 @@ def _ir_block_dot(builder, rp, qp, b, kind, isa):
     q = _ir_nibbles(builder, rp, qo, isa)
     if kind in ("q5_0", "q5_1"):  # | the fifth bits (16 or 0), from the uint32 before the nibbles
         q = builder.or_(q, _ir_qh_bits(builder, rp, builder.sub(qo, c(4))))
-        if kind == "q5_0":
-            return _ir_dot_ss(builder, _ir_b8(builder, q, "sub", 16), xq, isa)
     return _ir_dot_us(builder, q, xq, isa)
 
 
@@ -290,6 +288,9 @@ def _ir_scales(builder, rp, dp, sp, b, g, kind):
     run = _ir_load(builder, base, ir.Constant(b.type, 0), _vec(_I16, (g - 1) * step + (2 if has_m else 1)), 1)
     dw = _ir_f16_vec(builder, _shuffle(builder, run, run, [i * step for i in range(g)]))
     scale = builder.fmul(dw, _ir_load(builder, dp, b, _vec(_F32T, g), 4), flags=_FAST_FLAGS)
+    if kind == "q5_0":  # sum_j (q_j - 16) x_j = sum_j q_j x_j - 16 s_x: an m_w of -16 d_w
+        m16 = builder.fmul(dw, _const_vec(_F32T, g, -16.0), flags=_FAST_FLAGS)
+        return scale, builder.fmul(m16, _ir_load(builder, sp, b, _vec(_F32T, g), 4), flags=_FAST_FLAGS)
     if not has_m:
         return scale, None
     mw = _ir_f16_vec(builder, _shuffle(builder, run, run, [i * step + 1 for i in range(g)]))
@@ -317,7 +318,7 @@ def _make_row_dots(isa: str, group: int = 4, n_acc: int = 2, hadd: bool | None =
                 and (s is None or _is_c_array(s, types.float32)) and isinstance(nb, types.Integer))
 
     def make_codegen(kind):
-        has_m = _BLOCKS[kind][2]
+        has_m = _BLOCKS[kind][2] or kind == "q5_0"  # Q5_0: unsigned quants, the bias as a minimum
 
         def codegen(context, builder, sig, args):
             ptrs = [context.make_array(ty)(context, builder, a).data for ty, a in zip(sig.args[:-1], args[:-1])]
@@ -410,9 +411,9 @@ def _make_row_dots(isa: str, group: int = 4, n_acc: int = 2, hadd: bool | None =
 
     @intrinsic
     def _dot_row_q5_0_i8(typingctx, row, qs, d, s, nb):
-        """Dot of a Q5_0 row of ``nb`` blocks with the int8-quantized x (qs, d; s is unused).
+        """Dot of a Q5_0 row of ``nb`` blocks with the int8-quantized x (qs, d, block sums s).
         Block (22 B): d f16 | qh u32 (bit j: fifth bit of element j) | 16 bytes of nibbles (as
-        Q4_0);  sum_b d_w d_x sum_j (q5_j - 16) q_j."""
+        Q4_0);  sum_b d_w d_x sum_j (q5_j - 16) q_j, as sum_b d_w d_x sum_j q5_j q_j - 16 d_w s_b."""
         if not ok(row, qs, d, s, nb):
             return None
         return types.float32(row, qs, d, s, nb), make_codegen("q5_0")
@@ -661,8 +662,7 @@ def _make_k_dots(isa: str):
                             j = 2 * k + h
                             q = _ir_b8(builder, v, "and", 15) if h == 0 else _ir_b8(builder, v, "lshr", 4)
                             if five:
-                                bit = _ir_b8(builder, _ir_b8(builder, qh, "lshr", j), "and", 1)
-                                q = builder.or_(q, _ir_b8(builder, bit, "shl", 4))
+                                q = builder.or_(q, _ir_bit_select(builder, qh, j, 16))
                             dots.append(_ir_dot_us(builder, q, xq[j], isa))
                     sums = builder.sitofp(_ir_lane_sums(builder, dots, x86), v8f)
                     dl = builder.fmul(_ir_splat(builder, d, 8), builder.sitofp(sc, v8f), flags=_FAST_FLAGS)
@@ -705,8 +705,7 @@ def _make_k_dots(isa: str):
                             qs_ = _ir_load(builder, rp, builder.add(o, c(32 + 32 * h)), _vec(_I8, 32), 1)
                             for kk in range(4):
                                 low = _ir_b8(builder, _ir_b8(builder, qs_, "lshr", 2 * kk), "and", 3)
-                                high = _ir_b8(builder, _ir_b8(builder, _ir_b8(builder, hm, "lshr", 4 * h + kk), "and", 1),
-                                              "shl", 2)
+                                high = _ir_bit_select(builder, hm, 4 * h + kk, 4)
                                 runs.append((_ir_b8(builder, builder.or_(low, high), "sub", 4), True))
                     else:  # q2_k
                         o = builder.mul(b, c(84))
