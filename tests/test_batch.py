@@ -359,3 +359,253 @@ def test_default_model_generate_many_is_token_identical(default_model):
     for a, b in zip(alone, together):
         assert [t.id for t in a.tokens] == [t.id for t in b.tokens]
         assert a.text == b.text
+
+
+# =============================================================================================
+# Independent oracles for the batched path (issue 20 §4): the row kernels, the packed forward
+# pass and paged attention against gguf.quants.dequantize and float64 NumPy references, never
+# against npllama's own single-sequence path.
+# =============================================================================================
+
+import gguf.quants as gguf_quants  # noqa: E402  (this section's imports, kept with it)
+from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
+
+import naive  # noqa: E402
+from npllama import batch as batch_kernels  # noqa: E402
+from npllama.kernels import ACTS, RopeTable  # noqa: E402
+from test_products import assert_close, weight  # noqa: E402
+from tinygguf import write_tiny_llama  # noqa: E402
+
+ROW_TYPES = list(quants.SUPPORTED_TYPES)  # F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K
+ROW_COUNTS = [1, 2, 3, 5, 33]  # activation rows: 1..3 take _tile's few-rows path (direct dots), 5 and 33 the tiles
+
+
+def _weight(qtype, rows, cols, rng):
+    """(rows, row_bytes) uint8 block data of `qtype` for a (rows, cols) weight (see test_products.weight)."""
+    per_block = GGML_QUANT_SIZES[qtype][0]
+    return weight(qtype, rows, rng, blocks=cols // 8 if per_block == 1 else cols // per_block)
+
+
+def _cols(qtype, quantized_k=256, other=96):
+    return quantized_k if GGML_QUANT_SIZES[qtype][0] == 256 else other
+
+
+def _acts(T, n, rng):
+    """T activation rows of mixed magnitudes."""
+    return (rng.normal(size=(T, n)) * rng.choice([0.01, 1.0, 30.0], (T, n))).astype(np.float32)
+
+
+def _ref_product(data, qtype, x):
+    """x @ W.T in float64 with W dequantized by gguf."""
+    return np.asarray(x, np.float64) @ gguf_quants.dequantize(data, qtype).astype(np.float64).T
+
+
+@pytest.mark.parametrize("T", ROW_COUNTS)
+@pytest.mark.parametrize("qtype", ROW_TYPES, ids=lambda t: t.name)
+def test_matmul_rows_kernel_against_gguf_dequantize(qtype, T):
+    """batch._matmul_rows (every packed product of a pass) for every type the row kernels take:
+    9 weight rows (two full _TILEs and a partial one), T activation rows (odd counts, the
+    few-rows direct dots for T <= 3, the dequantized tiles with a lone last row for T = 5, 33);
+    every output written (NaN-filled before)."""
+    rng = np.random.default_rng(100 * T + int(qtype))
+    rows, n = 9, _cols(qtype)
+    data = _weight(qtype, rows, n, rng)
+    x = _acts(T, n, rng)
+    out = np.full((T, rows), np.nan, np.float32)
+    batch_kernels._matmul_rows(int(qtype), data, x, out, 16)
+    assert_close(out, data, qtype, x)
+
+
+@pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.Q4_0, QT.Q4_1, QT.Q8_0, QT.Q4_K, QT.Q6_K],
+                         ids=lambda t: t.name)
+def test_matmul_rows_wrapper_takes_any_activation_layout(qtype):
+    """The public wrapper on strided, Fortran-ordered and float64 activations, one row (the
+    decode kernels) and several, against gguf's dequantization and a float64 product."""
+    rng = np.random.default_rng(int(qtype) + 7)
+    rows, n = 6, _cols(qtype)
+    data = _weight(qtype, rows, n, rng)
+    w = QWeight("w", data, qtype, rows, n)
+    big = _acts(10, 2 * n, rng)
+    for x in (big[:5, ::2], big[:1, 1::2], np.asfortranarray(big[:3, :n]), big[:7, :n].astype(np.float64),
+              big[::3, n:]):
+        got = matmul_rows(w, x)
+        assert got.shape == (x.shape[0], rows)
+        assert_close(got, data, qtype, x)
+
+
+def test_matmul_rows_wrapper_on_partial_blocks():
+    """A weight whose rows are not whole 32-element blocks takes the tiled-dequant + BLAS path."""
+    rng = np.random.default_rng(11)
+    for qtype, n in ((QT.F32, 40), (QT.F16, 72)):
+        data = _weight(qtype, 5, n, rng)
+        x = _acts(5, n, rng)
+        assert_close(matmul_rows(QWeight("w", data, qtype, 5, n), x), data, qtype, x)
+
+
+QKV_TYPES = [(QT.Q4_K, QT.Q8_0, QT.F16), (QT.Q4_1, QT.Q4_0, QT.Q6_K), (QT.F32, QT.Q5_0, QT.Q5_1),
+             (QT.Q2_K, QT.Q3_K, QT.BF16), (QT.Q5_K, QT.Q4_1, QT.Q4_1)]
+
+
+@pytest.mark.parametrize("T", ROW_COUNTS)
+@pytest.mark.parametrize("types", QKV_TYPES, ids=lambda ts: "-".join(t.name for t in ts))
+def test_qkv_rows_against_gguf_dequantize(types, T):
+    """batch._qkv_rows: q, k, v of different types in one parallel region over all their
+    tiles, 13/6/5 rows (each ending in a partial tile, next to the q/k and k/v boundaries of
+    the task range); every output written (NaN-filled before)."""
+    rng = np.random.default_rng(T + 10 * sum(map(int, types)))
+    n = 256
+    ws = [_weight(t, r, n, rng) for t, r in zip(types, (13, 6, 5))]
+    x = _acts(T, n, rng)
+    outs = [np.full((T, d.shape[0]), np.nan, np.float32) for d in ws]
+    batch_kernels._qkv_rows(int(types[0]), ws[0], int(types[1]), ws[1], int(types[2]), ws[2], x, *outs, 16)
+    for out, data, qtype in zip(outs, ws, types):
+        assert_close(out, data, qtype, x)
+
+
+def _gelu_tanh(g):
+    return 0.5 * g * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (g + 0.044715 * g ** 3)))
+
+
+def _silu(g):
+    return g / (1.0 + np.exp(-g))
+
+
+GLU_TYPES = [(QT.Q4_0, QT.Q4_0), (QT.Q8_0, QT.Q4_1), (QT.F16, QT.F32), (QT.Q4_K, QT.Q6_K), (QT.Q5_0, QT.Q5_1),
+             (QT.Q2_K, QT.Q3_K), (QT.BF16, QT.Q5_K)]
+
+
+@pytest.mark.parametrize("T", ROW_COUNTS)
+@pytest.mark.parametrize("act", sorted(ACTS))
+@pytest.mark.parametrize("types", GLU_TYPES, ids=lambda ts: "-".join(t.name for t in ts))
+def test_gate_up_rows_against_float64_glu(types, act, T):
+    """batch._gate_up_rows: act(x @ Wg.T) * (x @ Wu.T) fused per tile, for SiLU (code 0) and
+    GELU-tanh (code 1), against float64 products of gguf's dequantized weights and the
+    activations written out; 11 rows (a partial last tile); gate values of order 1, where
+    the activations are far from linear."""
+    rng = np.random.default_rng(T + 10 * ACTS[act] + 100 * sum(map(int, types)))
+    n, rows = 256, 11
+    wg, wu = (_weight(t, rows, n, rng) for t in types)
+    x = _acts(T, n, rng)
+    x = (x * (2.0 / np.abs(_ref_product(wg, types[0], x)).max())).astype(np.float32)  # |gate| <= 2
+    g, u = _ref_product(wg, types[0], x), _ref_product(wu, types[1], x)
+    f = {"silu": _silu, "gelu_tanh": _gelu_tanh}[act]
+    ref = f(g) * u
+    out = np.full((T, rows), np.nan, np.float32)
+    batch_kernels._gate_up_rows(int(types[0]), wg, int(types[1]), wu, x, out, 16, ACTS[act])
+    # error of each product (see test_products.assert_close), carried through act(g) * u
+    # (|act'| <= 1.2, |act(g)| <= |g|), plus the kernels' exp approximation
+    x64 = np.abs(x.astype(np.float64))
+    bg = x64 @ np.abs(gguf_quants.dequantize(wg, types[0]).astype(np.float64)).T
+    bu = x64 @ np.abs(gguf_quants.dequantize(wu, types[1]).astype(np.float64)).T
+    tol = 3e-5 * (1.2 * np.abs(u) * bg + np.abs(g) * bu) + 1e-6 * np.abs(ref) + 1e-30
+    assert np.all(np.abs(out - ref) <= tol), np.max(np.abs(out - ref) / tol)
+    # the activation matters here: the other one (or none) is far off
+    other = {"silu": _gelu_tanh, "gelu_tanh": _silu}[act](g) * u
+    assert np.abs(other - ref).max() > 100 * tol.max()
+
+
+@pytest.mark.parametrize("T", ROW_COUNTS)
+def test_rmsnorm_rows_against_float64(T):
+    """batch._rmsnorm_rows: rows of tiny values (where eps = 1e-5 dominates mean(x^2)) and of
+    ordinary ones, against x / sqrt(mean(x^2) + eps) * w in float64."""
+    rng = np.random.default_rng(T + 3)
+    n, eps = 96, 1e-5
+    x = rng.normal(size=(T, n)) * np.where(np.arange(T) % 2 == 0, 1e-3, 3.0)[:, None]
+    x = x.astype(np.float32)
+    w = (1.0 + 0.3 * rng.normal(size=n)).astype(np.float32)
+    out = np.full_like(x, np.nan)
+    batch_kernels._rmsnorm_rows(x, w, np.float32(eps), out)
+    x64 = x.astype(np.float64)
+    ref = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + eps) * w
+    np.testing.assert_allclose(out, ref, rtol=2e-6, atol=0)
+    no_eps = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True)) * w
+    assert np.abs(no_eps[0] - ref[0]).max() > 0.5 * np.abs(ref[0]).max()  # eps is visible in row 0
+
+
+def _rope_reference(x, positions, base, rope_dim, neox):
+    """x (T, H, D) rotated by angle p * base^(-2i / rope_dim) per pair, in float64; the dims
+    past rope_dim unchanged. Pairs: (2i, 2i + 1), or (i, i + rope_dim / 2) for NeoX."""
+    half = rope_dim // 2
+    theta = np.asarray(positions, np.float64)[:, None] * base ** (-np.arange(half) * 2.0 / rope_dim)
+    rot = np.exp(1j * theta)[:, None, :]
+    out = x.astype(np.float64)
+    lo, hi = (np.arange(half), np.arange(half) + half) if neox else (np.arange(half) * 2, np.arange(half) * 2 + 1)
+    z = (out[..., lo] + 1j * out[..., hi]) * rot
+    out[..., lo], out[..., hi] = z.real, z.imag
+    return out
+
+
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("T", ROW_COUNTS)
+def test_rope_rows_against_float64(T, neox):
+    """batch._rope_rows: each token at its own position (out of order, repeated, far apart, as
+    in a packed batch), full and partial rotary dims, against float64 rotations."""
+    rng = np.random.default_rng(T + 20 * neox)
+    H, D, n_ctx, base = 3, 16, 512, 10000.0
+    positions = rng.integers(0, n_ctx, T).astype(np.int64)
+    positions[-1] = n_ctx - 1
+    for rope_dim in (D, D // 2):
+        table = RopeTable(n_ctx, rope_dim, base, neox=neox)
+        x = rng.normal(size=(T, H, D)).astype(np.float32)
+        got = x.copy()
+        batch_kernels._rope_rows(got, positions, table.cos, table.sin, neox)
+        ref = _rope_reference(x, positions, base, rope_dim, neox)
+        np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(x).max())
+        assert np.array_equal(got[..., rope_dim:], x[..., rope_dim:])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_paged_attend_against_numpy(dtype):
+    """paged_attend without a window against the float64 reference: grouped heads (6 query
+    heads on 2 KV heads), scattered pages, queries in the middle of a sequence whose later
+    keys are already in the pool (they must stay unseen), a prefill run longer than a query
+    block and spanning key blocks (40 keys > 32), decoding tokens, a sequence of one key,
+    queries of one sequence split around another's, default scale 1/sqrt(D), and queries
+    given as a strided float64 array."""
+    rng = np.random.default_rng(21)
+    H, KVH, D, ps, n_pages = 6, 2, 12, 4, 24
+    lengths = [40, 1, 13, 7]              # keys written per sequence
+    # (sequence, positions) of the packed queries, in packed order
+    runs = [(0, range(27, 36)), (2, range(3, 6)), (1, range(0, 1)), (2, range(12, 13)), (0, range(39, 40)),
+            (3, range(6, 7))]
+    kv = rng.standard_normal((n_pages, ps, KVH, 2, D)).astype(dtype)
+    tables, perm, at = np.full((4, 11), -1, np.int32), rng.permutation(n_pages), 0
+    for b, n in enumerate(lengths):
+        k = -(-n // ps)
+        tables[b, :k] = perm[at:at + k]
+        at += k
+    seq_of_token = np.concatenate([[b] * len(r) for b, r in runs])
+    positions = np.concatenate([list(r) for _, r in runs])
+    q64 = rng.standard_normal((len(positions), H, 2 * D))
+    q = q64[:, :, ::2]  # non-contiguous float64: the wrapper converts it
+    out = paged_attend(q, kv, tables, seq_of_token, positions)
+    assert out.shape == (len(positions), H, D) and out.dtype == np.float32
+    for b, n in enumerate(lengths):
+        rows = np.flatnonzero(seq_of_token == b)
+        seq = kv[tables[b, :-(-n // ps)]].reshape(-1, KVH, 2, D)[:n].astype(np.float64)
+        ref = _attention_reference(q[rows], seq[:, :, 0], seq[:, :, 1], positions[rows], 0, 1 / np.sqrt(D))
+        np.testing.assert_allclose(out[rows], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.Q8_0, QT.Q4_0, QT.Q4_1], ids=lambda t: t.name)
+def test_forward_batch_against_naive_reference(tmp_path, qtype):
+    """Whole packed passes (row kernels, paged attention, per-token RoPE) on a tiny llama in
+    each quant type against the naive float64 forward pass of tests/naive.py: three sequences
+    prefilled in one pass (lengths 5, 1, 12: odd token counts), then three decoding tokens
+    in one pass (T = 3, the few-rows direct dots), then one sequence alone (T = 1), then a
+    mixed pass of a prefill chunk and a decoding token."""
+    m = npllama.Model(write_tiny_llama(tmp_path / "m.gguf", qtype=qtype, tied=False), threads=2)
+    prompts = prompts_of((5, 1, 12), seed=12)
+    pool = KVPool.for_model(m, tokens=64, page_size=4)
+    seqs = [pool.new_seq() for _ in prompts]
+    got = [[lg] for lg in forward_batch(m, pool, seqs, prompts, all_logits=True)]
+    for i, lg in enumerate(forward_batch(m, pool, seqs, [[30], [31], [32]])):
+        got[i].append(lg[None])
+    got[1].append(forward_batch(m, pool, [seqs[1]], [[33]])[0][None])
+    for i, lg in zip((0, 2), forward_batch(m, pool, [seqs[0], seqs[2]], [[34, 35, 36, 37, 38], [39]], all_logits=True)):
+        got[i].append(lg)
+    for seq, rows in zip(seqs, got):
+        ref = naive.forward(m.file, seq.tokens)
+        logits = np.concatenate(rows)
+        assert logits.shape == ref.shape
+        assert np.abs(logits - ref).max() <= 2e-4 * np.abs(ref).max(), np.abs(logits - ref).max() / np.abs(ref).max()
