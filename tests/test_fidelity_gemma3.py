@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.model, pytest.mark.slow]
 FIX = Path(__file__).parent / "fixtures"
 DOC = json.loads((FIX / "fidelity_gemma3.json").read_text())
 TEXTS = sorted(DOC["texts"])
-DECODE_FROM, DECODE_N = 448, 320  # decode-path positions 448..767: across the 512 window
+DECODE_FROM, DECODE_N = 448, 160  # decode-path positions 448..607: across the 512 window
 
 
 @pytest.fixture(scope="module")
@@ -131,32 +131,27 @@ def test_int8_decode_top1(gemma3_path, fix, text):
     assert agree / n >= 0.90
 
 
-def _greedy(model, prompt, n, path):
-    """n greedy tokens after `prompt`. path "decode": each new token through the fused decode
-    step; path "prefill": each step re-runs the last two tokens through the prefill path."""
+def _greedy(model, prompt, n):
+    """n greedy tokens after `prompt`, each new token through the fused decode step (the
+    prefill path's agreement is the teacher-forced test's)."""
     s = model.session()
     logits = s.feed(prompt)
     out = []
     for _ in range(n):
         out.append(int(logits.argmax()))
-        if path == "decode":
-            logits = s.feed(out[-1:])
-        else:
-            s.truncate(s.pos - 1)
-            logits = s.feed(([prompt[-1]] + out)[-2:])
+        logits = s.feed(out[-1:])
     return out
 
 
-@pytest.mark.parametrize("path", ["prefill", "decode"])
-def test_greedy_follows_hf_as_long_as_llama_cpp(gemma3, path):
+def test_greedy_follows_hf_as_long_as_llama_cpp(gemma3):
     """Greedy continuations (96 tokens; two prompts are 640 tokens long, past the window): in total
     npllama follows HF float32's for at least as many tokens as llama.cpp does."""
     ours_total = cpp_total = 0
     for key, g in DOC["greedy"].items():
-        ours = _greedy(gemma3, g["prompt"], len(g["hf"]), path)
+        ours = _greedy(gemma3, g["prompt"], len(g["hf"]))
         a, c = _agree(ours, g["hf"]), _agree(g["llama_cpp"], g["hf"])
-        print(f"\n{path} {key} ({len(g['prompt'])}-token prompt): npllama follows HF for {a} tokens, "
+        print(f"\n{key} ({len(g['prompt'])}-token prompt): npllama follows HF for {a} tokens, "
               f"llama.cpp for {c} (of {len(g['hf'])})")
         ours_total, cpp_total = ours_total + a, cpp_total + c
-    print(f"{path}: npllama follows HF for {ours_total} tokens in all, llama.cpp for {cpp_total}")
+    print(f"npllama follows HF for {ours_total} tokens in all, llama.cpp for {cpp_total}")
     assert ours_total >= cpp_total
