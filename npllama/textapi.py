@@ -127,10 +127,11 @@ def _target_logprobs(logits: np.ndarray, targets) -> np.ndarray:
 
 def perplexity(model, text: str, ctx: int = 512, *, progress: bool | None = None) -> float:
     """Perplexity as llama-perplexity defines it: the tokens are cut into windows of `ctx`, each
-    window starts with BOS when the model adds one, and only the second half of each window is
-    scored (so every scored token has at least ctx/2 tokens of context)."""
-    if not isinstance(ctx, int) or ctx < 2 or ctx > model.config.n_ctx:
-        raise ValueError(f"ctx must be an integer from 2 to {model.config.n_ctx}, got {ctx!r}")
+    window starts with BOS when the model adds one, and only the tokens after the middle of
+    each window are scored (positions ctx//2 + 1 .. ctx - 1, so every scored token has more
+    than ctx/2 tokens of context)."""
+    if isinstance(ctx, bool) or not isinstance(ctx, int) or ctx < 3 or ctx > model.config.n_ctx:
+        raise ValueError(f"ctx must be an integer from 3 to {model.config.n_ctx}, got {ctx!r}")
     ids = model.tokenize(text)
     n_chunks = len(ids) // ctx
     if n_chunks == 0:
@@ -146,7 +147,7 @@ def perplexity(model, text: str, ctx: int = 512, *, progress: bool | None = None
                 window[0] = model.tokenizer.bos_id
             session.reset()
             logits = session.feed(window, all_logits=True)
-            lp = _target_logprobs(logits[first - 1:ctx - 1], window[first:])
+            lp = _target_logprobs(logits[first:ctx - 1], window[first + 1:])
             nll -= float(lp.astype(np.float64).sum())
             count += len(lp)
             bar.update(1)

@@ -129,13 +129,13 @@ def test_score_perplexity_embed(default_model):
     text = "The cat sat on the mat. " * 12
     toks = m.tokenize(text)
     ctx = 32
-    # llama-perplexity: windows of ctx, second half of each scored
+    # llama-perplexity: windows of ctx, the tokens after the middle of each scored
     nll = []
     for c in range(len(toks) // ctx):
         w = toks[c * ctx:(c + 1) * ctx]
         logits = m.session().feed(w, all_logits=True).astype(np.float64)
         lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
-        nll += [lse[i - 1] - logits[i - 1, w[i]] for i in range(ctx // 2, ctx)]
+        nll += [lse[i - 1] - logits[i - 1, w[i]] for i in range(ctx // 2 + 1, ctx)]
     assert m.perplexity(text, ctx=ctx) == pytest.approx(np.exp(np.mean(nll)), rel=1e-5)
     with pytest.raises(ValueError, match="shorter than one window"):
         m.perplexity("short", ctx=64)

@@ -175,11 +175,6 @@ def llama_perplexity(m, ids, ctx):
     return float(np.exp(np.mean(nll)))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "npllama.textapi.perplexity scores ctx - ctx//2 tokens per window (logits[first-1:ctx-1] "
-    "against window[first:]), one more than llama-perplexity, which scores the tokens at "
-    "first+1..ctx-1 (n_ctx - 1 - first per window), so its value is not llama-perplexity's "
-    "as its docstring says"), raises=AssertionError)
 @pytest.mark.parametrize("ctx", [14, 15])
 @pytest.mark.parametrize("which", ["tiny", "llama-fixture"])
 def test_perplexity_is_llama_perplexity(model, fixture_model, which, ctx):
@@ -220,8 +215,8 @@ def test_perplexity_windows(model, fixture_model, which, monkeypatch):
 
 
 def test_perplexity_errors(model):
-    for ctx in (1, 0, model.config.n_ctx + 1, 8.0, "8"):
-        with pytest.raises(ValueError, match="ctx must be an integer from 2"):
+    for ctx in (2, 1, 0, model.config.n_ctx + 1, 8.0, "8", True):
+        with pytest.raises(ValueError, match="ctx must be an integer from 3"):
             model.perplexity(PPL_TEXT, ctx=ctx)
     n = len(model.tokenize("abcdefgh"))
     with pytest.raises(ValueError, match=f"the text is {n} tokens, shorter than one window of ctx={n + 1}"):
