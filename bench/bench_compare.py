@@ -4,6 +4,13 @@ ratios to llama.cpp. Never a pass/fail test.
 
     python bench/bench_compare.py [--model PATH] [--quant q8_0] [--threads 2] [--rounds 3]
 
+--quant q8_0|f16 re-quantizes the model with gguf.quants (tests/requant.py); --quant
+q4_k_m|q5_k_m|q6_k|q3_k_m|q2_k writes its F16 with gguf and has llama.cpp's own quantizer
+(llama_cpp.llama_model_quantize, in the references' python) make the K-quant mix from it, as
+the files people download are made. (SmolLM2's 576-wide rows are not whole 256-element
+super-blocks: llama.cpp gives those tensors its fallback types, Q5_0 in Q4_K_M, Q5_1 in Q5_K_M,
+Q8_0 in Q6_K.)
+
 npllama runs twice: the default exact mode, and the opt-in int8-activation mode (npllama-int8,
 with its default float16 KV cache; llama.cpp stores its cache in float16 too). A third mode
 can be asked for with --engines: npllama-f16kv, the exact products with a float16 KV cache
@@ -64,6 +71,29 @@ print(json.dumps({"prefill": best_p, "decode": best_d}))
 '''
 
 
+# Runs inside the references' python: argv = F16 gguf in, gguf out, llama_ftype value, threads.
+QUANTIZE_SCRIPT = r'''
+import sys, llama_cpp
+p = llama_cpp.llama_model_quantize_default_params()
+p.ftype, p.nthread = int(sys.argv[3]), int(sys.argv[4])
+rc = llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), p)
+sys.exit(f"llama_model_quantize returned {rc}" if rc else 0)
+'''
+
+# --quant choices made by llama.cpp's quantizer: name -> llama_ftype (LLAMA_FTYPE_MOSTLY_*)
+LLAMA_QUANTS = {"q2_k": 10, "q3_k_m": 12, "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}
+
+
+def llama_quantize(py, f16_path, dst, quant, threads):
+    """Make ``dst`` from the F16 GGUF ``f16_path`` with llama.cpp's quantizer (``quant``: a key of
+    LLAMA_QUANTS), in the references' python ``py``."""
+    r = subprocess.run([py, "-c", QUANTIZE_SCRIPT, str(f16_path), str(dst), str(LLAMA_QUANTS[quant]), str(threads)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"llama.cpp's quantizer failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+    return dst
+
+
 def ref_python() -> str | None:
     py = os.environ.get("NPLLAMA_REF_PY") or str(Path.home() / ".cache/npllama-refs/venv/bin/python")
     return py if Path(py).exists() else None
@@ -95,7 +125,10 @@ def run_npllama(path, ids, gen, threads, repeats, activations="f32", kv_dtype=No
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="GGUF (default: the default model)")
-    ap.add_argument("--quant", choices=["q8_0", "f16"], help="re-quantize the model first (gguf.quants)")
+    ap.add_argument("--quant", choices=["q8_0", "f16", *LLAMA_QUANTS],
+                    help="re-quantize the model first: q8_0/f16 by gguf.quants, the K-quant mixes by llama.cpp's "
+                         "quantizer from an F16 written by gguf")
+    ap.add_argument("--keep", metavar="DIR", help="write the re-quantized model into DIR (reused when there)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--gen", type=int, default=64)
@@ -114,14 +147,26 @@ def main():
     from npllama.hub import resolve_model
     path = resolve_model(args.model)
     tmp = tempfile.TemporaryDirectory()
+    py = ref_python()
     if args.quant:
         from gguf import GGMLQuantizationType as QT
         from requant import requantize
-        path = requantize(path, Path(tmp.name) / f"model-{args.quant}.gguf", QT[args.quant.upper()])
+        where = Path(args.keep) if args.keep else Path(tmp.name)
+        where.mkdir(parents=True, exist_ok=True)
+        dst = where / f"{Path(path).stem}-{args.quant}.gguf"
+        if dst.exists():
+            path = dst
+        elif args.quant in LLAMA_QUANTS:
+            if py is None:
+                ap.error(f"--quant {args.quant} needs llama.cpp's quantizer: run ../shared/tools/setup-refs.sh")
+            f16 = requantize(path, Path(tmp.name) / "model-f16.gguf", QT.F16)
+            path = llama_quantize(py, f16, dst, args.quant, args.threads)
+        else:
+            path = requantize(path, dst, QT[args.quant.upper()])
     ids = [int(i) for i in np.random.default_rng(0).integers(100, 40000, args.prompt)]
-    results, notes = {}, []
-    py = ref_python()
+    results, notes, rounds = {}, [], []
     for _ in range(args.rounds):
+        rounds.append({})
         for engine in engines:
             if engine in MODES:
                 res = run_npllama(path, ids, args.gen, args.threads, args.repeats, *MODES[engine])
@@ -131,7 +176,9 @@ def main():
                 res, err = run_ref(py, engine, path, ids, args.gen, args.threads, args.repeats)
             if res is None:
                 notes.append(f"{engine}: skipped ({err})")
-            elif engine not in results:
+                continue
+            rounds[-1][engine] = res
+            if engine not in results:
                 results[engine] = res
             else:
                 best = results[engine]
@@ -146,6 +193,13 @@ def main():
         pr = f"{r['prefill'] / anchor['prefill']:.2f}x" if anchor else "-"
         dr = f"{r['decode'] / anchor['decode']:.2f}x" if anchor else "-"
         print(f"{engine:<14}{r['prefill']:>15.1f}{r['decode']:>14.1f}{pr:>15}{dr:>14}")
+    if anchor and args.rounds > 1:  # each round's own ratios: the spread the load on the machine makes
+        for engine in results:
+            if engine != "llama.cpp":
+                per = [(r[engine]["prefill"] / r["llama.cpp"]["prefill"], r[engine]["decode"] / r["llama.cpp"]["decode"])
+                       for r in rounds if engine in r and "llama.cpp" in r]
+                print(f"{engine} per round: prefill {', '.join(f'{p:.2f}x' for p, _ in per)}; "
+                      f"decode {', '.join(f'{d:.2f}x' for _, d in per)}")
     for engine in MODES:
         if engine in results:
             r = results[engine]

@@ -609,10 +609,11 @@ def _dot_row_q4_1(typingctx, row, x, xsum, nb):
 #
 # One block (32 elements) or super-block (256) per loop iteration: its quants unpacked with
 # byte-vector operations into <32 x i8> runs of 32 consecutive elements (signed: biases are
-# subtracted in integers), widened to floats and multiplied with x. A run's product is scaled by
-# its (sub-)block scale d * sc, as a splat, or for 16-element sub-blocks as a vector of two
-# halves; the terms of a block are summed as a tree and added into one <32 x float>
-# accumulator. Minimum terms (Q4_K/Q5_K: dmin * min_j * sum of x over sub-block j; Q5_1:
+# subtracted in integers) and widened to floats. Q5_0/Q5_1 multiply a run by x and add it,
+# scaled by the block's d, into a <32 x float> accumulator (as Q4_0/Q4_1); the K-quants scale
+# a run's quants by its sub-block scale d * sc (a splat, or for 16-element sub-blocks a vector
+# of two halves) and multiply-add them with x into one of _N_ACC accumulators in turn (short
+# dependency chains: one multiply and one FMA per 16 weights). Minimum terms (Q4_K/Q5_K: dmin * min_j * sum of x over sub-block j; Q5_1:
 # m * sum of block) come from the caller's 32-element block sums of x (``_block_sums``);
 # Q2_K's 16-element sub-blocks subtract their minimum from each weight (w = dl q - ml), then
 # dot. Each dot has the signature (row, x, xsum, nb): nb blocks of the type (32 or 256
@@ -672,6 +673,11 @@ def _ir_qx(builder, q, xp, xo):
     return builder.fmul(builder.sitofp(q, vf), _ir_load(builder, xp, xo, vf, 4), flags=_FAST_FLAGS)
 
 
+def _ir_fma_x(builder, acc, w, xp, xo):
+    """acc += w * x[xo : xo + 32] (acc: a pointer to a <32 x float>)."""
+    _ir_accumulate(builder, acc, builder.fmul(w, _ir_load(builder, xp, xo, _vec(_F32T, 32), 4), flags=_FAST_FLAGS))
+
+
 def _ir_k_scales(builder, rp, o):
     """Q4_K/Q5_K's 6-bit (scales, mins) of the 8 sub-blocks, as two <8 x i32>, from the 12
     bytes at rp[o:] (see _k_scale_min)."""
@@ -710,7 +716,7 @@ def _block_q5_0(builder, rp, xp, sp, b, acc, acc_m):
     d = _ir_f16_fast(builder, _ir_load_f16(builder, rp, o))
     q = builder.or_(_ir_nib32(builder, rp, builder.add(o, c(6))), _ir_qh_bits(builder, rp, builder.add(o, c(2))))
     p = _ir_qx(builder, _ir_b8(builder, q, "sub", 16), xp, builder.mul(b, c(32)))
-    _ir_accumulate(builder, acc, _ir_scaled(builder, d, p))
+    _ir_accumulate(builder, acc[0], _ir_scaled(builder, d, p))
 
 
 def _block_q5_1(builder, rp, xp, sp, b, acc, acc_m):
@@ -720,7 +726,7 @@ def _block_q5_1(builder, rp, xp, sp, b, acc, acc_m):
     d = _ir_f16_fast(builder, _ir_load_f16(builder, rp, o))
     m = _ir_f16_fast(builder, _ir_load_f16(builder, rp, builder.add(o, c(2))))
     q = builder.or_(_ir_nib32(builder, rp, builder.add(o, c(8))), _ir_qh_bits(builder, rp, builder.add(o, c(4))))
-    _ir_accumulate(builder, acc, _ir_scaled(builder, d, _ir_qx(builder, q, xp, builder.mul(b, c(32)))))
+    _ir_accumulate(builder, acc[0], _ir_scaled(builder, d, _ir_qx(builder, q, xp, builder.mul(b, c(32)))))
     mx = builder.fmul(m, _ir_load(builder, sp, b, _F32T, 4), flags=_FAST_FLAGS)
     _ir_accumulate(builder, acc_m, builder.insert_element(_ir_vec_zero(8), mx, _ir_i32(0)))
 
@@ -741,7 +747,6 @@ def _block_k_4_5(builder, rp, xp, sp, b, acc, acc_m, five):
                   acc_m)
     qh = _ir_load(builder, rp, builder.add(o, c(16)), _vec(_I8, 32), 1) if five else None
     x0 = builder.mul(b, c(256))
-    terms = []
     for k in range(4):
         v = _ir_load(builder, rp, builder.add(o, c((48 if five else 16) + 32 * k)), _vec(_I8, 32), 1)
         for h in range(2):
@@ -749,10 +754,9 @@ def _block_k_4_5(builder, rp, xp, sp, b, acc, acc_m, five):
             q = _ir_b8(builder, v, "and", 15) if h == 0 else _ir_b8(builder, v, "lshr", 4)
             if five:
                 q = builder.or_(q, _ir_bit_select(builder, qh, j, 16))
-            p = _ir_qx(builder, q, xp, builder.add(x0, c(32 * j)))
-            terms.append(builder.fmul(_ir_splat(builder, builder.extract_element(dl, _ir_i32(j)), 32), p,
-                                      flags=_FAST_FLAGS))
-    _ir_accumulate(builder, acc, _ir_tree_sum(builder, terms))
+            w = builder.fmul(_ir_splat(builder, builder.extract_element(dl, _ir_i32(j)), 32),
+                             builder.sitofp(q, _vec(_F32T, 32)), flags=_FAST_FLAGS)
+            _ir_fma_x(builder, acc[j % len(acc)], w, xp, builder.add(x0, c(32 * j)))
 
 
 def _block_q4_k(builder, rp, xp, sp, b, acc, acc_m):
@@ -773,7 +777,6 @@ def _block_q6_k(builder, rp, xp, sp, b, acc, acc_m):
     dl = _ir_i2f(builder, builder.sext(_ir_load(builder, rp, builder.add(o, c(192)), _vec(_I8, 16), 1),
                                        _vec(_I32, 16)), d)
     x0 = builder.mul(b, c(256))
-    terms = []
     for h in range(2):
         ql = [_ir_load(builder, rp, builder.add(o, c(64 * h + 32 * i)), _vec(_I8, 32), 1) for i in range(2)]
         qh = _ir_load(builder, rp, builder.add(o, c(128 + 32 * h)), _vec(_I8, 32), 1)
@@ -781,9 +784,9 @@ def _block_q6_k(builder, rp, xp, sp, b, acc, acc_m):
             lo = _ir_b8(builder, ql[k & 1], "and", 15) if k < 2 else _ir_b8(builder, ql[k & 1], "lshr", 4)
             hi = _ir_b8(builder, _ir_b8(builder, _ir_b8(builder, qh, "lshr", 2 * k), "and", 3), "shl", 4)
             q = _ir_b8(builder, builder.or_(lo, hi), "sub", 32)
-            p = _ir_qx(builder, q, xp, builder.add(x0, c(128 * h + 32 * k)))
-            terms.append(builder.fmul(_ir_halves(builder, dl, 8 * h + 2 * k), p, flags=_FAST_FLAGS))
-    _ir_accumulate(builder, acc, _ir_tree_sum(builder, terms))
+            w = builder.fmul(_ir_halves(builder, dl, 8 * h + 2 * k), builder.sitofp(q, _vec(_F32T, 32)),
+                             flags=_FAST_FLAGS)
+            _ir_fma_x(builder, acc[k % len(acc)], w, xp, builder.add(x0, c(128 * h + 32 * k)))
 
 
 def _block_q3_k(builder, rp, xp, sp, b, acc, acc_m):
@@ -804,7 +807,6 @@ def _block_q3_k(builder, rp, xp, sp, b, acc, acc_m):
     dl = _ir_i2f(builder, sc, d)
     hm = _ir_load(builder, rp, o, _vec(_I8, 32), 1)
     x0 = builder.mul(b, c(256))
-    terms = []
     for h in range(2):
         qs = _ir_load(builder, rp, builder.add(o, c(32 + 32 * h)), _vec(_I8, 32), 1)
         for kk in range(4):
@@ -812,9 +814,8 @@ def _block_q3_k(builder, rp, xp, sp, b, acc, acc_m):
             low = _ir_b8(builder, _ir_b8(builder, qs, "lshr", 2 * kk), "and", 3)
             high = _ir_bit_select(builder, hm, k, 4)
             q = _ir_b8(builder, builder.or_(low, high), "sub", 4)
-            p = _ir_qx(builder, q, xp, builder.add(x0, c(32 * k)))
-            terms.append(builder.fmul(_ir_halves(builder, dl, 2 * k), p, flags=_FAST_FLAGS))
-    _ir_accumulate(builder, acc, _ir_tree_sum(builder, terms))
+            w = builder.fmul(_ir_halves(builder, dl, 2 * k), builder.sitofp(q, _vec(_F32T, 32)), flags=_FAST_FLAGS)
+            _ir_fma_x(builder, acc[k % len(acc)], w, xp, builder.add(x0, c(32 * k)))
 
 
 def _block_q2_k(builder, rp, xp, sp, b, acc, acc_m):
@@ -830,7 +831,6 @@ def _block_q2_k(builder, rp, xp, sp, b, acc, acc_m):
     ml = _ir_i2f(builder, builder.lshr(sb, _const_vec(_I32, 16, 4)), dmin)
     x0 = builder.mul(b, c(256))
     vf = _vec(_F32T, 32)
-    terms = []
     for h in range(2):
         qs = _ir_load(builder, rp, builder.add(o, c(16 + 32 * h)), _vec(_I8, 32), 1)
         for k in range(4):
@@ -838,15 +838,16 @@ def _block_q2_k(builder, rp, xp, sp, b, acc, acc_m):
             q = builder.sitofp(_ir_b8(builder, _ir_b8(builder, qs, "lshr", 2 * k), "and", 3), vf)
             w = builder.fsub(builder.fmul(_ir_halves(builder, dl, s), q, flags=_FAST_FLAGS),
                              _ir_halves(builder, ml, s), flags=_FAST_FLAGS)
-            xv = _ir_load(builder, xp, builder.add(x0, c(128 * h + 32 * k)), vf, 4)
-            terms.append(builder.fmul(w, xv, flags=_FAST_FLAGS))
-    _ir_accumulate(builder, acc, _ir_tree_sum(builder, terms))
+            _ir_fma_x(builder, acc[k % len(acc)], w, xp, builder.add(x0, c(128 * h + 32 * k)))
+
+
+_N_ACC = 4  # <32 x float> accumulators of the block dots (the K-quants' runs take turns)
 
 
 def _make_block_dot(name, block, doc):
     """A row-dot intrinsic ``(row, x, xsum, nb) -> float32`` from a per-block IR emitter
-    ``block(builder, rp, xp, sp, b, acc, acc_m)`` (acc: <32 x float>, acc_m: <8 x float>
-    accumulators; the result is the sum of both)."""
+    ``block(builder, rp, xp, sp, b, acc, acc_m)`` (acc: _N_ACC <32 x float> accumulators,
+    acc_m: an <8 x float> one; the result is the sum of all)."""
     def typer(typingctx, row, x, xsum, nb):
         if not (_is_c_array(row, types.uint8) and _is_c_array(x, types.float32)
                 and _is_c_array(xsum, types.float32) and isinstance(nb, types.Integer)):
@@ -854,12 +855,12 @@ def _make_block_dot(name, block, doc):
 
         def codegen(context, builder, sig, args):
             rp, xp, sp = (context.make_array(t)(context, builder, a).data for t, a in zip(sig.args[:3], args[:3]))
-            acc = cgutils.alloca_once_value(builder, _ir_vec_zero(32))
+            acc = [cgutils.alloca_once_value(builder, _ir_vec_zero(32)) for _ in range(_N_ACC)]
             acc_m = cgutils.alloca_once_value(builder, _ir_vec_zero(8))
             _ir_block_loop(context, builder, args[3], sig.args[3],
                            lambda b: block(builder, rp, xp, sp, b, acc, acc_m))
-            return builder.fadd(_ir_hsum(builder, builder.load(acc)), _ir_hsum(builder, builder.load(acc_m)),
-                                flags=_FAST_FLAGS)
+            total = _ir_tree_sum(builder, [builder.load(a) for a in acc])
+            return builder.fadd(_ir_hsum(builder, total), _ir_hsum(builder, builder.load(acc_m)), flags=_FAST_FLAGS)
 
         return types.float32(row, x, xsum, nb), codegen
 
