@@ -356,7 +356,9 @@ def _read_vocabulary(meta: Mapping[str, Any]) -> _Vocabulary:
         if tid is not None:
             eot.add(tid)
     eot.update(index[text] for text in _EOT_TEXTS if text in index)
-    add_bos = _meta_flag(meta, "tokenizer.ggml.add_bos_token", spec.add_bos if spec is not None else True)
+    # the family's default (when the file does not say) applies only to a vocabulary that has a BOS
+    default_bos = (spec.add_bos if spec is not None else True) and bos_id is not None
+    add_bos = _meta_flag(meta, "tokenizer.ggml.add_bos_token", default_bos)
     return _Vocabulary(model=model, pre=pre, spec=spec, tokens=tokens, index=index, types=types, scores=scores,
                        merges=merges, bos_id=bos_id, eos_id=eos_id, unk_id=unk_id, eot_ids=frozenset(eot),
                        add_bos=add_bos, add_space_prefix=add_space_prefix,

@@ -172,3 +172,14 @@ def test_phi3_longrope_needs_both_factor_tensors(tmp_path):
     src = FIX / "phi3-longrope.gguf"
     with pytest.raises(GGUFError, match="rope_factors_long.*rope_factors_short.*both"):
         npllama.Model(_rewrite(src, tmp_path / "m.gguf", drop_tensor="rope_factors_short.weight"))
+
+
+def test_a_vocabulary_without_bos_tokenizes_without_one():
+    """The SmolLM3 fixture's vocabulary (Llama 3 style, whose family adds BOS) has no BOS id and
+    no add_bos_token flag: text is tokenized without BOS instead of failing."""
+    m = npllama.Model(FIX / "smollm3.gguf")
+    assert m.tokenizer.bos_id is None and not m.tokenizer.add_bos
+    ids = m.tokenize("hello world")
+    assert ids == m.tokenize("hello world", add_bos=False) and ids
+    with pytest.raises(ValueError, match="no BOS token"):
+        m.tokenize("hello", add_bos=True)
