@@ -15,7 +15,7 @@ import numpy as np
 from . import batch, block, textapi
 from .arch import ARCHS
 from .attention import attend
-from .batch import matmul_rows as mm  # x @ W.T reading each weight row once, for a few to a few hundred rows of x
+from .rows import matmul_rows as mm  # x @ W.T reading each weight row once, for a few to a few hundred rows of x
 from .chat import validate_messages
 from .errors import GGUFError, PositionError
 from .gguf_file import GGUFFile, ModelConfig

@@ -7,8 +7,8 @@ from gguf import GGMLQuantizationType as QT
 import npllama
 from npllama import quants
 from npllama.attention import MASKED, attend
-from npllama.batch import (BeamSearch, batch_mask, beam_search, complete_many, forward_batch,
-                           generate_many, matmul_rows)
+from npllama.batch import BeamSearch, batch_mask, beam_search, complete_many, forward_batch, generate_many
+from npllama.rows import matmul_rows
 from npllama.kvpool import KVPool, PoolExhaustedError
 from npllama.model import QWeight
 from npllama.paged_attention import paged_attend
@@ -371,7 +371,7 @@ import gguf.quants as gguf_quants  # noqa: E402  (this section's imports, kept w
 from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
 
 import naive  # noqa: E402
-from npllama import batch as batch_kernels  # noqa: E402
+from npllama import rows as row_kernels  # noqa: E402
 from npllama.kernels import ACTS, RopeTable  # noqa: E402
 from test_products import assert_close, weight  # noqa: E402
 from tinygguf import write_tiny_llama  # noqa: E402
@@ -403,7 +403,7 @@ def _ref_product(data, qtype, x):
 @pytest.mark.parametrize("T", ROW_COUNTS)
 @pytest.mark.parametrize("qtype", ROW_TYPES, ids=lambda t: t.name)
 def test_matmul_rows_kernel_against_gguf_dequantize(qtype, T):
-    """batch._matmul_rows (every packed product of a pass) for every type the row kernels take:
+    """rows._matmul_rows (every packed product of a pass) for every type the row kernels take:
     9 weight rows (two full _TILEs and a partial one), T activation rows (odd counts, the
     few-rows direct dots for T <= 3, the dequantized tiles with a lone last row for T = 5, 33);
     every output written (NaN-filled before)."""
@@ -412,7 +412,7 @@ def test_matmul_rows_kernel_against_gguf_dequantize(qtype, T):
     data = _weight(qtype, rows, n, rng)
     x = _acts(T, n, rng)
     out = np.full((T, rows), np.nan, np.float32)
-    batch_kernels._matmul_rows(int(qtype), data, x, out, 16)
+    row_kernels._matmul_rows(int(qtype), data, x, out, 16)
     assert_close(out, data, qtype, x)
 
 
@@ -449,7 +449,7 @@ QKV_TYPES = [(QT.Q4_K, QT.Q8_0, QT.F16), (QT.Q4_1, QT.Q4_0, QT.Q6_K), (QT.F32, Q
 @pytest.mark.parametrize("T", ROW_COUNTS)
 @pytest.mark.parametrize("types", QKV_TYPES, ids=lambda ts: "-".join(t.name for t in ts))
 def test_qkv_rows_against_gguf_dequantize(types, T):
-    """batch._qkv_rows: q, k, v of different types in one parallel region over all their
+    """rows._qkv_rows: q, k, v of different types in one parallel region over all their
     tiles, 13/6/5 rows (each ending in a partial tile, next to the q/k and k/v boundaries of
     the task range); every output written (NaN-filled before)."""
     rng = np.random.default_rng(T + 10 * sum(map(int, types)))
@@ -457,7 +457,7 @@ def test_qkv_rows_against_gguf_dequantize(types, T):
     ws = [_weight(t, r, n, rng) for t, r in zip(types, (13, 6, 5))]
     x = _acts(T, n, rng)
     outs = [np.full((T, d.shape[0]), np.nan, np.float32) for d in ws]
-    batch_kernels._qkv_rows(int(types[0]), ws[0], int(types[1]), ws[1], int(types[2]), ws[2], x, *outs, 16)
+    row_kernels._qkv_rows(int(types[0]), ws[0], int(types[1]), ws[1], int(types[2]), ws[2], x, *outs, 16)
     for out, data, qtype in zip(outs, ws, types):
         assert_close(out, data, qtype, x)
 
@@ -478,7 +478,7 @@ GLU_TYPES = [(QT.Q4_0, QT.Q4_0), (QT.Q8_0, QT.Q4_1), (QT.F16, QT.F32), (QT.Q4_K,
 @pytest.mark.parametrize("act", sorted(ACTS))
 @pytest.mark.parametrize("types", GLU_TYPES, ids=lambda ts: "-".join(t.name for t in ts))
 def test_gate_up_rows_against_float64_glu(types, act, T):
-    """batch._gate_up_rows: act(x @ Wg.T) * (x @ Wu.T) fused per tile, for SiLU (code 0) and
+    """rows._gate_up_rows: act(x @ Wg.T) * (x @ Wu.T) fused per tile, for SiLU (code 0) and
     GELU-tanh (code 1), against float64 products of gguf's dequantized weights and the
     activations written out; 11 rows (a partial last tile); gate values of order 1, where
     the activations are far from linear."""
@@ -491,7 +491,7 @@ def test_gate_up_rows_against_float64_glu(types, act, T):
     f = {"silu": _silu, "gelu_tanh": _gelu_tanh}[act]
     ref = f(g) * u
     out = np.full((T, rows), np.nan, np.float32)
-    batch_kernels._gate_up_rows(int(types[0]), wg, int(types[1]), wu, x, out, 16, ACTS[act])
+    row_kernels._gate_up_rows(int(types[0]), wg, int(types[1]), wu, x, out, 16, ACTS[act])
     # error of each product (see test_products.assert_close), carried through act(g) * u
     # (|act'| <= 1.2, |act(g)| <= |g|), plus the kernels' exp approximation
     x64 = np.abs(x.astype(np.float64))
@@ -506,7 +506,7 @@ def test_gate_up_rows_against_float64_glu(types, act, T):
 
 @pytest.mark.parametrize("T", ROW_COUNTS)
 def test_rmsnorm_rows_against_float64(T):
-    """batch._rmsnorm_rows: rows of tiny values (where eps = 1e-5 dominates mean(x^2)) and of
+    """rows._rmsnorm_rows: rows of tiny values (where eps = 1e-5 dominates mean(x^2)) and of
     ordinary ones, against x / sqrt(mean(x^2) + eps) * w in float64."""
     rng = np.random.default_rng(T + 3)
     n, eps = 96, 1e-5
@@ -514,7 +514,7 @@ def test_rmsnorm_rows_against_float64(T):
     x = x.astype(np.float32)
     w = (1.0 + 0.3 * rng.normal(size=n)).astype(np.float32)
     out = np.full_like(x, np.nan)
-    batch_kernels._rmsnorm_rows(x, w, np.float32(eps), out)
+    row_kernels._rmsnorm_rows(x, w, np.float32(eps), out)
     x64 = x.astype(np.float64)
     ref = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + eps) * w
     np.testing.assert_allclose(out, ref, rtol=2e-6, atol=0)
@@ -538,7 +538,7 @@ def _rope_reference(x, positions, base, rope_dim, neox):
 @pytest.mark.parametrize("neox", [False, True])
 @pytest.mark.parametrize("T", ROW_COUNTS)
 def test_rope_rows_against_float64(T, neox):
-    """batch._rope_rows: each token at its own position (out of order, repeated, far apart, as
+    """rows._rope_rows: each token at its own position (out of order, repeated, far apart, as
     in a packed batch), full and partial rotary dims, against float64 rotations."""
     rng = np.random.default_rng(T + 20 * neox)
     H, D, n_ctx, base = 3, 16, 512, 10000.0
@@ -548,7 +548,7 @@ def test_rope_rows_against_float64(T, neox):
         table = RopeTable(n_ctx, rope_dim, base, neox=neox)
         x = rng.normal(size=(T, H, D)).astype(np.float32)
         got = x.copy()
-        batch_kernels._rope_rows(got, positions, table.cos, table.sin, neox)
+        row_kernels._rope_rows(got, positions, table.cos, table.sin, neox)
         ref = _rope_reference(x, positions, base, rope_dim, neox)
         np.testing.assert_allclose(got, ref, rtol=0, atol=2e-6 * np.abs(x).max())
         assert np.array_equal(got[..., rope_dim:], x[..., rope_dim:])

@@ -222,14 +222,14 @@ def test_direct_dot_non_contiguous_x(qtype):
 @pytest.mark.parametrize("qtype", [QT.Q5_0, QT.Q4_K, QT.Q6_K, QT.Q2_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("T", [1, 2, 3, 5])
 def test_prefill_rows_with_direct_dots(qtype, T):
-    """batch._matmul_rows (prefill and batched products): up to batch._FEW activation rows by
+    """rows._matmul_rows (prefill and batched products): up to rows._FEW activation rows by
     the direct dots, more by dequantized tiles; 9 weight rows, a partial last tile."""
-    from npllama import batch
+    from npllama import rows
     rng = np.random.default_rng(T + int(qtype))
     data = weight(qtype, 9, rng, blocks=2)
     x = rng.normal(size=(T, quants.row_elems(qtype, data.shape[1]))).astype(np.float32)
     out = np.full((T, 9), np.nan, np.float32)
-    batch._matmul_rows(int(qtype), data, x, out, 16)
+    rows._matmul_rows(int(qtype), data, x, out, 16)
     assert_close(out, data, qtype, x)
 
 
