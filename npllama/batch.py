@@ -40,7 +40,7 @@ import numpy as np
 
 from .attention import MASKED
 from .errors import ContextOverflowError
-from .generate import (SAMPLING_KEYS, Completion, Token, _logprobs, _StopScanner, check_ctx, check_logprobs,
+from .generate import (SAMPLING_KEYS, Completion, Token, _logprobs, _StopScanner, check_logprobs,
                        check_max_tokens, check_stop, fit_prompt, prompt_ids)
 from . import block
 from .f16 import bits
@@ -48,6 +48,7 @@ from .kvpool import KVPool, PoolExhaustedError, PoolSeq
 from .paged_attention import _paged_kernel, plan_blocks
 from .progress import Progress
 from .rows import RowOps, _rmsnorm_rows, matmul_rows
+from .session import check_ctx
 from .sampling import SamplingParams, make_sampler
 from .threads import check_threads, using_threads
 

@@ -88,15 +88,6 @@ def check_logprobs(logprobs) -> int:
     return _count("logprobs", logprobs)
 
 
-def check_ctx(ctx, n_ctx: int) -> int:
-    """A context length: `ctx` checked to be an integer from 1 to `n_ctx`, or n_ctx for None."""
-    if ctx is None:
-        return n_ctx
-    if isinstance(ctx, bool) or not isinstance(ctx, numbers.Integral) or not 1 <= ctx <= n_ctx:
-        raise ValueError(f"ctx must be an integer from 1 to the model's context {n_ctx}, got {_show(ctx)}")
-    return int(ctx)
-
-
 SAMPLING_KEYS = frozenset(SamplingParams.__dataclass_fields__)  # the sampling keywords of the text API
 
 

@@ -3,12 +3,27 @@ second counter, so a cleared cache with a stale position, or a counter that coun
 instead of tokens, cannot happen."""
 from __future__ import annotations
 
+import numbers
+import reprlib
+
 import numpy as np
 
 from .errors import ContextOverflowError
-from .generate import check_ctx
 from .kvcache import KVCache
 from .threads import check_threads
+
+
+def check_ctx(ctx, n_ctx: int) -> int:
+    """A context length: `ctx` checked to be an integer from 1 to `n_ctx`, or n_ctx for None."""
+    if ctx is None:
+        return n_ctx
+    if isinstance(ctx, bool) or not isinstance(ctx, numbers.Integral) or not 1 <= ctx <= n_ctx:
+        try:
+            shown = reprlib.repr(ctx)
+        except Exception:  # noqa: BLE001 - e.g. an int too long to print
+            shown = f"<{type(ctx).__name__}>"
+        raise ValueError(f"ctx must be an integer from 1 to the model's context {n_ctx}, got {shown}")
+    return int(ctx)
 
 
 class Session:
