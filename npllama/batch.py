@@ -251,7 +251,8 @@ def complete_many(model, prompts: Sequence, *, max_tokens: int = 256, stop: str 
     stops = check_stop(stop)
     logprobs = check_logprobs(logprobs)
     tok = model.tokenizer
-    reqs = [_Request(i, fit_prompt(prompt_ids(model, p), ctx, max_tokens, truncate), max_tokens,
+    room = None if truncate else ctx - max_tokens
+    reqs = [_Request(i, fit_prompt(prompt_ids(model, p, room), ctx, max_tokens, truncate), max_tokens,
                      make_sampler(params), stops, tok.eot_ids, logprobs, tok, ctx)
             for i, p in enumerate(prompts)]
     st = stats if stats is not None else {}

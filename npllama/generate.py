@@ -91,11 +91,21 @@ def check_logprobs(logprobs) -> int:
 SAMPLING_KEYS = frozenset(SamplingParams.__dataclass_fields__)  # the sampling keywords of the text API
 
 
-def prompt_ids(model, prompt) -> list[int]:
-    """The token ids of a prompt: text (encoded with its special tokens) or token ids (checked)."""
+def prompt_ids(model, prompt, room: int | None = None) -> list[int]:
+    """The token ids of a prompt: text (encoded with its special tokens) or token ids (checked).
+    With `room` (the prompt tokens that fit), a text too long to fit whatever its tokens is
+    refused before it is tokenized, which for megabytes of text takes seconds."""
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("the prompt is empty: give some text (or token ids) to continue")
+        if room is not None and len(prompt) > room:
+            n_bytes = len(prompt.encode("utf-8", "surrogatepass"))
+            least = -(-n_bytes // model.tokenizer.longest_token_bytes)
+            if least > room:
+                raise ContextOverflowError(
+                    f"the prompt is {n_bytes} bytes of text, at least {least} tokens, but only {max(room, 0)} "
+                    f"prompt tokens fit in the context; shorten the prompt, lower max_tokens, raise ctx, "
+                    f"or pass truncate=True")
         return model.tokenize(prompt, special=True)
     ids = model.check_ids(prompt)  # raises on empty or out-of-range ids
     return [int(i) for i in ids]

@@ -46,9 +46,9 @@ def _run(model, prompt, runner, max_tokens, stop, logprobs, truncate, ctx, sessi
         raise TypeError(f"unexpected keyword arguments: {', '.join(sorted(unknown))}")
     params = SamplingParams(**{**(sampling or SamplingParams()).__dict__, **options})
     check_max_tokens(max_tokens)
-    ids = prompt_ids(model, prompt)
     session = session if session is not None else model.session(ctx=ctx)
-    ids = fit_prompt(ids, session.ctx - session.pos, max_tokens, truncate)
+    room = session.ctx - session.pos
+    ids = fit_prompt(prompt_ids(model, prompt, None if truncate else room - max_tokens), room, max_tokens, truncate)
     return runner(session, ids, max_tokens=max_tokens, sampler=make_sampler(params),
                   stop=[stop] if isinstance(stop, str) else stop, logprobs=logprobs)
 

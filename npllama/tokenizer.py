@@ -391,6 +391,10 @@ class Tokenizer:
         self._lock = threading.Lock()
         self._control = frozenset(i for i, t in enumerate(self._types) if t == TOKEN_CONTROL)
         self._bytes = [self._piece_bytes(i) for i in range(self.n_vocab)]
+        # the most bytes of text one token can stand for (its piece, or its written form for a
+        # control token matched in text): a text of n bytes is at least n / this many tokens
+        self.longest_token_bytes = max(1, max(map(len, self._bytes)),
+                                       max(len(t.encode("utf-8", "surrogatepass")) for t in self._tokens))
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> "Tokenizer":

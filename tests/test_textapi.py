@@ -392,3 +392,21 @@ def test_chat_session_system_prompt_and_stream(model):
     assert conv.messages == messages + [{"role": "assistant", "content": "".join(pieces)}]
     with pytest.raises(ValueError, match="non-empty string"):
         conv.send("")
+
+
+def test_a_prompt_too_long_for_any_tokenization_is_refused_before_tokenizing(model, monkeypatch):
+    """Megabytes of text that cannot fit the context whatever its tokens are refused at once,
+    without running the tokenizer (which takes seconds on them); truncate=True still
+    tokenizes and keeps the tail."""
+    text = "word " * 200_000
+    calls = []
+    real = model.tokenize
+    monkeypatch.setattr(model, "tokenize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with pytest.raises(npllama.ContextOverflowError, match="at least .* tokens, but only"):
+        model.complete(text, max_tokens=4)
+    with pytest.raises(npllama.ContextOverflowError, match="at least .* tokens, but only"):
+        npllama.complete_many(model, [text], max_tokens=4)
+    assert calls == []
+    long = "word " * 2000  # past the context too, but kept to its tail
+    c = model.complete(long, max_tokens=4, temperature=0, truncate=True)
+    assert calls and c.prompt_tokens == model.config.n_ctx - 4
