@@ -1,9 +1,8 @@
-import os
-
 import numba
 import pytest
 
 from tinygguf import write_tiny_llama
+from require import unavailable
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
@@ -38,9 +37,7 @@ def default_model_path():
     try:
         return resolve_model()
     except (ModelFetchError, FileNotFoundError) as e:
-        if os.environ.get("NPLLAMA_REQUIRE_MODEL") == "1":
-            pytest.fail(f"default model unavailable and NPLLAMA_REQUIRE_MODEL=1: {e}", pytrace=False)
-        pytest.skip(f"default model unavailable: {e}")
+        unavailable(f"default model unavailable: {e}")
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as QT
 
 import npllama
 from requant import requantize
+from require import unavailable
 
 pytestmark = pytest.mark.model
 FIX = Path(__file__).parent / "fixtures"
@@ -40,7 +41,7 @@ def variant(request, variant_path):
     name = request.param
     fixture = FIX / f"fidelity_{name}.npz"
     if not fixture.exists():
-        pytest.skip(f"{fixture.name} not generated")
+        unavailable(f"{fixture.name} not generated")
     return name, npllama.Model(variant_path(name)), np.load(fixture)
 
 

@@ -9,7 +9,6 @@ npllama's exact mode is checked through the prefill path and through the fused s
 decode step; the int8-activation mode through the decode step.
 """
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ import pytest
 
 import npllama
 from npllama.errors import ModelFetchError
+from require import unavailable
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 FIX = Path(__file__).parent / "fixtures"
@@ -33,9 +33,7 @@ def gemma3_path():
     try:
         return known_model_path("gemma3-270m")
     except (ModelFetchError, FileNotFoundError) as e:
-        if os.environ.get("NPLLAMA_REQUIRE_MODEL") == "1":
-            pytest.fail(f"Gemma 3 270M unavailable and NPLLAMA_REQUIRE_MODEL=1: {e}", pytrace=False)
-        pytest.skip(f"Gemma 3 270M unavailable: {e}")
+        unavailable(f"Gemma 3 270M unavailable: {e}")
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 sliding window of its layers in the prefill, decode and batched paths, the CLI on a model
 without a chat template, generate_batch, score and embed. (Agreement with HF float32 is in
 test_fidelity_gemma3.py.)"""
-import os
 import subprocess
 import sys
 
@@ -11,6 +10,7 @@ import pytest
 
 import npllama
 from npllama.errors import ModelFetchError
+from require import unavailable
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -21,9 +21,7 @@ def gemma_path():
     try:
         return known_model_path("gemma3-270m")
     except (ModelFetchError, FileNotFoundError) as e:
-        if os.environ.get("NPLLAMA_REQUIRE_MODEL") == "1":
-            pytest.fail(f"Gemma 3 270M could not be fetched and NPLLAMA_REQUIRE_MODEL=1: {e}")
-        pytest.skip(f"Gemma 3 270M unavailable: {e}")
+        unavailable(f"Gemma 3 270M unavailable: {e}")
 
 
 @pytest.fixture(scope="module")

