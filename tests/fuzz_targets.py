@@ -639,8 +639,11 @@ def run_campaign(target: str, seconds: int, *, work_dir: Path, seed: int = 0, ti
         cmd.append(str(corpus_dir(target)))
     start = time.perf_counter()
     # the worker's own wall clock bound: libFuzzer stops at max_total_time, plus startup and one slow input
-    proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace",
-                          timeout=seconds + timeout_per_input + 120)
+    # through a shell that forks it: a process exec'd straight from this one inherits this
+    # process's peak RSS (Linux keeps it across fork + exec), which libFuzzer's -rss_limit_mb
+    # reads as the worker's own, so a test process that once held gigabytes made every input "oom"
+    proc = subprocess.run(["sh", "-c", '"$@"; exit $?', "sh", *cmd], capture_output=True, text=True,
+                          errors="replace", timeout=seconds + timeout_per_input + 120)
     elapsed = time.perf_counter() - start
     out = proc.stdout + proc.stderr
 
