@@ -145,6 +145,16 @@ def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray | None = None) -> n
     return glu(gate, up, "silu", out)
 
 
+def check_positions(start: int, end: int, n_ctx: int) -> None:
+    """Raise ContextOverflowError unless positions start..end-1 lie in [0, n_ctx)."""
+    if start < end and (start < 0 or end > n_ctx):
+        bad = end - 1 if end > n_ctx else start
+        raise ContextOverflowError(
+            f"position {bad} is outside the model's context of {n_ctx} tokens "
+            f"(valid positions are 0..{n_ctx - 1}); shorten the input, or truncate "
+            f"or reset the session")
+
+
 class RopeTable:
     """cos and sin of every (position, frequency) pair, computed once in float64, stored as float32.
 
@@ -176,12 +186,7 @@ class RopeTable:
 
     def check_range(self, start: int, end: int) -> None:
         """Raise ContextOverflowError unless positions start..end-1 lie in [0, n_ctx)."""
-        if start < end and (start < 0 or end > self.n_ctx):
-            bad = end - 1 if end > self.n_ctx else start
-            raise ContextOverflowError(
-                f"position {bad} is outside the model's context of {self.n_ctx} tokens "
-                f"(valid positions are 0..{self.n_ctx - 1}); shorten the input, or truncate "
-                f"or reset the session")
+        check_positions(start, end, self.n_ctx)
 
     def apply(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Rotate x (S, H, D) in place by the angles of `positions` (S,) and return it."""

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import ContextOverflowError
-from .kernels import RopeTable
+from .kernels import RopeTable, check_positions
 
 _MIN_POSITIONS = 1024  # positions the tables are first built for
 
@@ -24,12 +23,7 @@ class Ropes:
 
     def check_range(self, start: int, end: int) -> None:
         """Raise ContextOverflowError unless positions start..end-1 lie in [0, n_ctx)."""
-        if start < end and (start < 0 or end > self.n_ctx):
-            bad = end - 1 if end > self.n_ctx else start
-            raise ContextOverflowError(
-                f"position {bad} is outside the model's context of {self.n_ctx} tokens "
-                f"(valid positions are 0..{self.n_ctx - 1}); shorten the input, or truncate "
-                f"or reset the session")
+        check_positions(start, end, self.n_ctx)
 
     def check(self, positions: np.ndarray) -> None:
         if len(positions):

