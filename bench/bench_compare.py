@@ -198,8 +198,9 @@ def main():
             if engine != "llama.cpp":
                 per = [(r[engine]["prefill"] / r["llama.cpp"]["prefill"], r[engine]["decode"] / r["llama.cpp"]["decode"])
                        for r in rounds if engine in r and "llama.cpp" in r]
-                print(f"{engine} per round: prefill {', '.join(f'{p:.2f}x' for p, _ in per)}; "
-                      f"decode {', '.join(f'{d:.2f}x' for _, d in per)}")
+                med = np.median(np.array(per), axis=0)
+                print(f"{engine} per round: prefill {', '.join(f'{p:.2f}x' for p, _ in per)} (median {med[0]:.2f}x); "
+                      f"decode {', '.join(f'{d:.2f}x' for _, d in per)} (median {med[1]:.2f}x)")
     for engine in MODES:
         if engine in results:
             r = results[engine]

@@ -604,7 +604,9 @@ def test_dot_isa_selection():
 @pytest.mark.parametrize("drop, isa", [(("avx512", "vnni"), "avx2"), (("avx512", "vnni", "avx2", "f16c"), "generic")])
 def test_non_vnni_target_in_subprocess(tmp_path, drop, isa):
     """With NUMBA_CPU_FEATURES lacking VNNI (and AVX2, F16C), the module picks the fallback and
-    its cached kernels compile for that target and give the reference results."""
+    its cached kernels compile for that target and give the reference results (as do the
+    float32 direct dots of Q5_0/Q5_1 and the K-quants, whose mask and byte-vector IR is lowered
+    differently without AVX-512)."""
     import llvmlite.binding as llvm
     feats = llvm.get_host_cpu_features()
     flat = ",".join(("-" if (not v or any(k.startswith(p) or p in k for p in drop)) else "+") + k
@@ -617,6 +619,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 from npllama import quants_int8 as qi, quants
 import test_quants_int8 as t
+from test_products import assert_close
 assert qi.DOT_ISA == {isa!r}, qi.DOT_ISA
 rng = np.random.default_rng(0)
 for qtype in t.INT8_TYPES + t.NEW_TYPES:
@@ -625,6 +628,8 @@ for qtype in t.INT8_TYPES + t.NEW_TYPES:
         x = rng.normal(size=t.block_elems(qtype) * blocks).astype(np.float32)
         qs, d, s = qi.quantize_x(x)
         t.assert_int8_close(qi.matmul_int8(data, qtype, x), data, qtype, qs, d, s)
+        if qtype in t.NEW_TYPES:  # and the float32 direct dots, compiled for this target too
+            assert_close(quants.matmul(data, qtype, x), data, qtype, x)
 print("ok", qi.DOT_ISA, quants._HW_F16)
 """
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
