@@ -709,13 +709,30 @@ def _ir_i2f(builder, v, scale):
     return builder.fmul(_ir_splat(builder, scale, v.type.count), f, flags=_FAST_FLAGS)
 
 
+def _ir_q5_floats(builder, rp, o, bias):
+    """<32 x float>: the 32 quants of a Q5_0/Q5_1 block whose qh (uint32) is at rp[o:] and
+    nibbles at rp[o + 4:], minus ``bias``. Each half (16 nibbles with 16 fifth bits as a
+    <16 x i1> mask) is widened on its own and the halves are joined as floats, which costs no
+    instruction (a <32 x float> is two registers), where joining the bytes would cost two
+    cross-lane shuffles."""
+    c = lambda v: ir.Constant(o.type, v)  # noqa: E731
+    nib = _ir_load(builder, rp, builder.add(o, c(4)), _vec(_I8, 16), 1)
+    halves = []
+    for h in range(2):
+        q = _ir_b8(builder, nib, "and", 15) if h == 0 else _ir_b8(builder, nib, "lshr", 4)
+        on = builder.bitcast(_ir_load(builder, rp, builder.add(o, c(2 * h)), _I16, 1), _vec(ir.IntType(1), 16))
+        q = builder.or_(q, builder.select(on, _const_vec(_I8, 16, 16), _const_vec(_I8, 16, 0)))
+        halves.append(builder.sitofp(_ir_b8(builder, q, "sub", bias) if bias else q, _vec(_F32T, 16)))
+    return _shuffle(builder, halves[0], halves[1], list(range(32)))
+
+
 def _block_q5_0(builder, rp, xp, sp, b, acc, acc_m):
     # block (22 B): d f16 | qh u32 | 16 bytes of nibbles;  q = nib | bit << 4, w = d (q - 16)
     c = lambda v: ir.Constant(b.type, v)  # noqa: E731
     o = builder.mul(b, c(22))
     d = _ir_f16_fast(builder, _ir_load_f16(builder, rp, o))
-    q = builder.or_(_ir_nib32(builder, rp, builder.add(o, c(6))), _ir_qh_bits(builder, rp, builder.add(o, c(2))))
-    p = _ir_qx(builder, _ir_b8(builder, q, "sub", 16), xp, builder.mul(b, c(32)))
+    p = builder.fmul(_ir_q5_floats(builder, rp, builder.add(o, c(2)), 16),
+                     _ir_load(builder, xp, builder.mul(b, c(32)), _vec(_F32T, 32), 4), flags=_FAST_FLAGS)
     _ir_accumulate(builder, acc[0], _ir_scaled(builder, d, p))
 
 
@@ -725,8 +742,9 @@ def _block_q5_1(builder, rp, xp, sp, b, acc, acc_m):
     o = builder.mul(b, c(24))
     d = _ir_f16_fast(builder, _ir_load_f16(builder, rp, o))
     m = _ir_f16_fast(builder, _ir_load_f16(builder, rp, builder.add(o, c(2))))
-    q = builder.or_(_ir_nib32(builder, rp, builder.add(o, c(8))), _ir_qh_bits(builder, rp, builder.add(o, c(4))))
-    _ir_accumulate(builder, acc[0], _ir_scaled(builder, d, _ir_qx(builder, q, xp, builder.mul(b, c(32)))))
+    p = builder.fmul(_ir_q5_floats(builder, rp, builder.add(o, c(4)), 0),
+                     _ir_load(builder, xp, builder.mul(b, c(32)), _vec(_F32T, 32), 4), flags=_FAST_FLAGS)
+    _ir_accumulate(builder, acc[0], _ir_scaled(builder, d, p))
     mx = builder.fmul(m, _ir_load(builder, sp, b, _F32T, 4), flags=_FAST_FLAGS)
     _ir_accumulate(builder, acc_m, builder.insert_element(_ir_vec_zero(8), mx, _ir_i32(0)))
 
