@@ -4,6 +4,8 @@ stacked cos/sin arrays (one table per entry; each layer names its table in
 model's context, so a 32k-context model does not pay for 32k positions it never reaches."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from .kernels import RopeTable, check_positions
@@ -20,6 +22,7 @@ class Ropes:
         self.n_ctx, self.neox = cfg.n_ctx, cfg.rope_neox
         self.capacity = 0
         self._tables: dict[bool, tuple[np.ndarray, np.ndarray]] = {}  # long factors? -> (cos, sin)
+        self._lock = threading.Lock()
 
     def check_range(self, start: int, end: int) -> None:
         """Raise ContextOverflowError unless positions start..end-1 lie in [0, n_ctx)."""
@@ -31,18 +34,21 @@ class Ropes:
 
     def tables(self, end: int) -> tuple[np.ndarray, np.ndarray]:
         """(cos, sin) covering positions 0..end-1, for a forward call whose last position is
-        end - 1 (LongRoPE's choice of factors depends on it)."""
+        end - 1 (LongRoPE's choice of factors depends on it). Safe to call from several
+        threads: tables are built and published under a lock, never resized in place."""
         self.check_range(0, end)
-        if end > self.capacity:
-            cap = max(self.capacity, _MIN_POSITIONS)
-            while cap < end:
-                cap *= 2
-            self.capacity = min(cap, self.n_ctx)
-            self._tables.clear()
         long = any(r.long_factors and end > r.orig_ctx for r in self.cfg.ropes)
-        if long not in self._tables:
-            self._tables[long] = self._build(long)
-        return self._tables[long]
+        with self._lock:
+            if end > self.capacity:
+                cap = max(self.capacity, _MIN_POSITIONS)
+                while cap < end:
+                    cap *= 2
+                self.capacity = min(cap, self.n_ctx)
+                self._tables = {}
+            tables = self._tables.get(long)
+            if tables is None:
+                tables = self._tables[long] = self._build(long)
+            return tables
 
     def _build(self, long: bool) -> tuple[np.ndarray, np.ndarray]:
         cfg = self.cfg

@@ -51,3 +51,18 @@ def test_longrope_uses_the_long_factors_once_a_call_passes_the_original_context(
         c, s = reference(np.arange(cos.shape[1]), 8, 1e4, factors=factors, mscale=1.25)
         np.testing.assert_allclose(cos[0], c, atol=1e-5)
         np.testing.assert_allclose(sin[0], s, atol=1e-5)
+
+
+def test_tables_from_many_threads_always_cover_the_positions_asked_for():
+    """Sessions of one model on several threads: a table handed out covers the positions its
+    caller asked for even while another thread grows the tables."""
+    from concurrent.futures import ThreadPoolExecutor
+    r = Ropes(config([Rope(1e4)], n_ctx=1 << 16), {})
+    ends = list(range(1, 1 << 16, 997)) * 2
+
+    def ask(end):
+        cos, sin = r.tables(end)
+        return cos.shape[1] >= end and sin.shape[1] >= end
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(ask, ends))
