@@ -183,3 +183,21 @@ def test_a_vocabulary_without_bos_tokenizes_without_one():
     assert ids == m.tokenize("hello world", add_bos=False) and ids
     with pytest.raises(ValueError, match="no BOS token"):
         m.tokenize("hello", add_bos=True)
+
+
+@pytest.mark.parametrize("n_layer, scale", [(62, 1 / np.sqrt(5376 / 32)), (34, 1 / np.sqrt(128))])
+def test_gemma3_attention_scale(n_layer, scale):
+    """Gemma 3 scales scores by query_pre_attn_scalar ** -0.5, which its GGUF does not carry:
+    n_embd / n_head for the 27B (62 layers; head_dim 128 there, not 168), head_dim otherwise."""
+    from types import SimpleNamespace
+
+    from npllama.arch import ARCHS
+    from npllama.arch.base import Meta
+    g = "gemma3."
+    meta = {g + "block_count": n_layer, g + "embedding_length": 5376, g + "attention.head_count": 32,
+            g + "attention.head_count_kv": 16, g + "attention.key_length": 128, g + "attention.value_length": 128,
+            g + "feed_forward_length": 21504, g + "context_length": 131072,
+            g + "attention.layer_norm_rms_epsilon": 1e-6, g + "attention.sliding_window": 1024}
+    tensors = {f"t{i}": None for i in range(n_layer)} | {"token_embd.weight": SimpleNamespace(shape=(262144, 5376))}
+    fields = ARCHS["gemma3"].configure(Meta("m.gguf", meta, tensors, "gemma3"))
+    assert fields["attn_scale"] == pytest.approx(scale)

@@ -9,8 +9,9 @@
   `rope.freq_base` with the file's linear scaling;
 - logits soft-capped only when `gemma3.final_logit_softcapping` is present.
 llama.cpp's converter stores every norm weight as 1 + w (HF's Gemma RMSNorm), so they are
-used as they are. Scores are scaled by 1/sqrt(head_dim), as llama.cpp does for every Gemma 3
-but the 27B (whose query_pre_attn_scalar the file does not carry); that 27B is refused.
+used as they are. Scores are scaled by query_pre_attn_scalar ** -0.5, which the file does not
+carry: 1/sqrt(head_dim) for every Gemma 3 but the 27B (62 layers), 1/sqrt(n_embd / n_head)
+for it, as llama.cpp and the HF configs have it.
 """
 from __future__ import annotations
 
@@ -44,9 +45,9 @@ def _sliding(m: Meta, n_layer: int) -> tuple[bool, ...]:
 def configure(m: Meta) -> dict:
     fields = llama_fields(m, neox=True)
     n_layer, head_dim = fields["n_layer"], fields["head_dim"]
-    if n_layer == 62 and fields["n_embd"] == 5376:
-        raise m.error("Gemma 3 27B scales attention by its query_pre_attn_scalar, which the file does "
-                      "not carry; npllama does not run it")
+    # scores scale by query_pre_attn_scalar ** -0.5, which the file does not carry: it is
+    # head_dim in every Gemma 3 but the 27B (62 layers), where it is n_embd / n_head
+    scalar = fields["n_embd"] / fields["n_head"] if n_layer == 62 else head_dim
     window = m.window()
     if not window:
         raise m.error("missing required metadata key 'gemma3.attention.sliding_window'")
@@ -56,7 +57,7 @@ def configure(m: Meta) -> dict:
     softcap = m.positive("final_logit_softcapping", 0.0, float)
     fields.update(
         act="gelu_tanh", qk_norm=True, post_norms=True, embd_scale=math.sqrt(fields["n_embd"]),
-        attn_scale=1.0 / math.sqrt(head_dim), softcap=softcap, ropes=(rope_global, rope_local),
+        attn_scale=1.0 / math.sqrt(scalar), softcap=softcap, ropes=(rope_global, rope_local),
         layer_rope=tuple(1 if s else 0 for s in sliding),
         layer_window=tuple(window if s else 0 for s in sliding),
     )
