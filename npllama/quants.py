@@ -763,18 +763,28 @@ def _block_k_4_5(builder, rp, xp, sp, b, acc, acc_m, five):
     xs = _ir_load(builder, sp, builder.mul(b, c(8)), _vec(_F32T, 8), 4)
     builder.store(builder.fsub(builder.load(acc_m), builder.fmul(ml, xs, flags=_FAST_FLAGS), flags=_FAST_FLAGS),
                   acc_m)
-    qh = _ir_load(builder, rp, builder.add(o, c(16)), _vec(_I8, 32), 1) if five else None
     x0 = builder.mul(b, c(256))
+    for j, q in enumerate(_ir_k_quants(builder, rp, o, five)):
+        w = builder.fmul(_ir_splat(builder, builder.extract_element(dl, _ir_i32(j)), 32),
+                         builder.sitofp(q, _vec(_F32T, 32)), flags=_FAST_FLAGS)
+        _ir_fma_x(builder, acc[j % len(acc)], w, xp, builder.add(x0, c(32 * j)))
+
+
+def _ir_k_quants(builder, rp, o, five):
+    """The quants of the eight 32-element sub-blocks of the Q4_K (Q5_K with `five`) super-block
+    at byte o of row rp, as <32 x i8> vectors in element order: sub-block j = 2c + h holds the
+    nibbles h of qs[32c : 32c + 32], with Q5_K's fifth bits (qh >> j) & 1 as 16."""
+    c = lambda v: ir.Constant(o.type, v)  # noqa: E731
+    qh = _ir_load(builder, rp, builder.add(o, c(16)), _vec(_I8, 32), 1) if five else None
+    out = []
     for k in range(4):
         v = _ir_load(builder, rp, builder.add(o, c((48 if five else 16) + 32 * k)), _vec(_I8, 32), 1)
         for h in range(2):
-            j = 2 * k + h
             q = _ir_b8(builder, v, "and", 15) if h == 0 else _ir_b8(builder, v, "lshr", 4)
             if five:
-                q = builder.or_(q, _ir_bit_select(builder, qh, j, 16))
-            w = builder.fmul(_ir_splat(builder, builder.extract_element(dl, _ir_i32(j)), 32),
-                             builder.sitofp(q, _vec(_F32T, 32)), flags=_FAST_FLAGS)
-            _ir_fma_x(builder, acc[j % len(acc)], w, xp, builder.add(x0, c(32 * j)))
+                q = builder.or_(q, _ir_bit_select(builder, qh, 2 * k + h, 16))
+            out.append(q)
+    return out
 
 
 def _block_q4_k(builder, rp, xp, sp, b, acc, acc_m):

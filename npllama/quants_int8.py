@@ -71,7 +71,7 @@ from numba.extending import intrinsic
 
 from .quants import (_F32T, _FAST_FLAGS, _HW_F16, _I8, _I16, _I32, _Q2_K, _Q3_K, _Q4_0, _Q4_1, _Q4_K, _Q5_0,
                      _Q5_1, _Q5_K, _Q6_K, _Q8_0, _const_vec, _ir_accumulate, _ir_b8, _ir_bit_select, _ir_call, _ir_f16_exact,
-                     _ir_f16_fast, _ir_hsum, _ir_i32, _ir_k_scales, _ir_load, _ir_load_f16, _ir_qh_bits, _ir_splat,
+                     _ir_f16_fast, _ir_hsum, _ir_i32, _ir_k_quants, _ir_k_scales, _ir_load, _ir_load_f16, _ir_qh_bits, _ir_splat,
                      _ir_vec_zero, _is_c_array, _matvec, _prefetch_ahead, _product_args, _shuffle, _task_rows, _vec)
 
 __all__ = ["DOT_ISA", "INT8_TYPES", "VNNI", "matmul_int8", "pack_q4_1", "quantize_x"]
@@ -531,7 +531,6 @@ def _make_packed_q4_1_dot(isa: str):
     sums, converted and multiplied-added with the 8 scales d_w d_x; elsewhere each block's
     lanes are summed on their own. The min terms m_w s_x are one multiply-add per 8 blocks."""
     x86 = isa != "generic"
-    v8 = _vec(_I32, 8)
 
     def codegen(context, builder, sig, args):
         rp, qp, dp, sp = (context.make_array(ty)(context, builder, a).data for ty, a in zip(sig.args[:-1], args[:-1]))
@@ -654,16 +653,8 @@ def _make_k_dots(isa: str):
                     o = builder.mul(b, c(176 if five else 144))
                     d, dmin = f16(o), f16(builder.add(o, c(2)))
                     sc, mn = _ir_k_scales(builder, rp, builder.add(o, c(4)))
-                    qh = _ir_load(builder, rp, builder.add(o, c(16)), _vec(_I8, 32), 1) if five else None
-                    dots = []
-                    for k in range(4):
-                        v = _ir_load(builder, rp, builder.add(o, c((48 if five else 16) + 32 * k)), _vec(_I8, 32), 1)
-                        for h in range(2):
-                            j = 2 * k + h
-                            q = _ir_b8(builder, v, "and", 15) if h == 0 else _ir_b8(builder, v, "lshr", 4)
-                            if five:
-                                q = builder.or_(q, _ir_bit_select(builder, qh, j, 16))
-                            dots.append(_ir_dot_us(builder, q, xq[j], isa))
+                    dots = [_ir_dot_us(builder, q, xq[j], isa)
+                            for j, q in enumerate(_ir_k_quants(builder, rp, o, five))]
                     sums = builder.sitofp(_ir_lane_sums(builder, dots, x86), v8f)
                     dl = builder.fmul(_ir_splat(builder, d, 8), builder.sitofp(sc, v8f), flags=_FAST_FLAGS)
                     _ir_accumulate(builder, acc, builder.fmul(builder.fmul(dl, dx, flags=_FAST_FLAGS), sums,
