@@ -92,21 +92,27 @@ _GELU_C = np.float32(2.0 * 0.7978845608028654)  # 2 sqrt(2 / pi)
 _GELU_A = np.float32(0.044715)
 
 
+@njit(cache=True, fastmath=_FM, error_model="numpy", inline="always")
+def _glu1(g, u, act):
+    """act(g) * u for one element, act a code of ACTS: silu(g) = g / (1 + exp(-g)), and
+    gelu_tanh(g) = g/2 (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
+                 = g / (1 + exp(-2 sqrt(2/pi) (g + 0.044715 g^3)))."""
+    z = _GELU_C * (g + _GELU_A * g * g * g) if act == 1 else g
+    return g / (np.float32(1.0) + _exp(-z)) * u
+
+
 @njit(cache=True, fastmath=_FM, error_model="numpy")
 def _swiglu_row(gate, up, out):
     # gate, up, out: (n,); out = silu(gate) * up (no division check: the loop vectorizes)
     for i in range(gate.shape[0]):
-        g = gate[i]
-        out[i] = g / (np.float32(1.0) + _exp(-g)) * up[i]
+        out[i] = _glu1(gate[i], up[i], 0)
 
 
 @njit(cache=True, fastmath=_FM, error_model="numpy")
 def _geglu_row(gate, up, out):
-    # gate, up, out: (n,); out = gelu_tanh(gate) * up, where gelu_tanh(g) =
-    # g/2 (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) = g / (1 + exp(-2 sqrt(2/pi) (g + 0.044715 g^3)))
+    # gate, up, out: (n,); out = gelu_tanh(gate) * up
     for i in range(gate.shape[0]):
-        g = gate[i]
-        out[i] = g / (np.float32(1.0) + _exp(-_GELU_C * (g + _GELU_A * g * g * g))) * up[i]
+        out[i] = _glu1(gate[i], up[i], 1)
 
 
 @njit(cache=True)

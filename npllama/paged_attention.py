@@ -46,14 +46,14 @@ def _paged_block(q, kv, table, i0, pos0, g, scale, window, m, l, acc, s):
     h0 = g * G
     neg_inf = np.float32(-np.inf)
     t_end = pos0 + R  # the last row sees keys 0..pos0+R-1
-    t_start = max(0, pos0 - window + 1) if window > 0 else 0  # the first row's first key
-    for b0 in range(t_start, t_end, _BLOCK):
+    first = pos0 - window + 1 if window > 0 else -t_end  # row r sees keys first + r .. pos0 + r
+    for b0 in range(max(0, first), t_end, _BLOCK):
         n = min(_BLOCK, t_end - b0)
         for j in range(n):
             t = b0 + j
             krow = kv[table[t // ps], t % ps, g, 0]  # (D,) view: read through the page table
             for r in range(R):
-                if t > pos0 + r or (window > 0 and pos0 + r - t >= window):  # causal, and in the window
+                if t > pos0 + r or t < first + r:  # causal, and in the window
                     for gh in range(G):
                         s[r, gh, j] = neg_inf
                     continue

@@ -18,7 +18,7 @@ from numba import njit, prange
 
 from . import block
 from .f16 import _half_bits_to_f32
-from .kernels import ACTS, _glu_row, _rmsnorm_row, _rope_row
+from .kernels import ACTS, _glu1, _rmsnorm_row, _rope_row
 from .quants import _FAST, _Q4_0, _Q4_1, _Q8_0, _deq_row, _dot_row, _has_dot
 
 _FEW = 3          # up to this many rows, types with a direct dot dot the weight blocks directly
@@ -176,8 +176,9 @@ def _gate_up_rows(cg, wg, cu, wu, x, out, half, act):
         _tile(cg, wg, r0, x, xsum, g, 0, w, half)
         _tile(cu, wu, r0, x, xsum, u, 0, w, half)
         n = min(_TILE, wg.shape[0] - r0)
-        for t in range(T):
-            _glu_row(g[t, :n], u[t, :n], out[t, r0:r0 + n], act)
+        for t in range(T):  # elementwise: a row slice per token would cost more than the GLU
+            for i in range(n):
+                out[t, r0 + i] = _glu1(g[t, i], u[t, i], act)
 
 
 @njit(cache=True)
