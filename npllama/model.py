@@ -74,10 +74,11 @@ class Model:
         self.output = self.token_embd if cfg.tied_output else QWeight.from_tensor(t("output.weight"))
         names = {n for r in cfg.ropes for n in (r.factors, r.long_factors) if n}
         self.ropes = Ropes(cfg, {n: f32(t(n)) for n in names})
-        if "tokenizer.ggml.tokens" in self.file.metadata:  # a broken vocabulary fails now, not at tokenize()
+        self._vocabulary = None  # checked now, so a broken vocabulary fails here, not at tokenize()
+        if "tokenizer.ggml.tokens" in self.file.metadata:
             from .tokenizer import check_metadata
             try:
-                check_metadata(self.file.metadata)
+                self._vocabulary = check_metadata(self.file.metadata)
             except GGUFError as e:
                 raise GGUFError(f"{self.path}: {e}") from None
         self._tokenizer = None
@@ -89,7 +90,11 @@ class Model:
         """The model's tokenizer, built from the GGUF metadata on first use."""
         if self._tokenizer is None:
             from .tokenizer import Tokenizer
-            self._tokenizer = Tokenizer.from_metadata(self.file.metadata)
+            if self._vocabulary is None:  # no vocabulary in the file: from_metadata says so
+                self._tokenizer = Tokenizer.from_metadata(self.file.metadata)
+            else:
+                self._tokenizer = Tokenizer.from_vocabulary(self._vocabulary)
+                self._vocabulary = None
         return self._tokenizer
 
     def tokenize(self, text: str, *, add_bos: bool | None = None, special: bool = False) -> list[int]:

@@ -295,8 +295,9 @@ class _Vocabulary:
     chat_template: str | None
 
 
-def check_metadata(meta: Mapping[str, Any]) -> None:
-    """Raise GGUFError (a ValueError) unless `meta` holds a vocabulary npllama can tokenize with.
+def check_metadata(meta: Mapping[str, Any]) -> "_Vocabulary":
+    """The vocabulary of `meta`, for `Tokenizer.from_vocabulary`; GGUFError (a ValueError)
+    unless it is one npllama can tokenize with.
 
     Checks, without building the tokenizer (a fraction of its cost): a supported
     `tokenizer.ggml.model` and `tokenizer.ggml.pre`; a non-empty array of unique, valid text
@@ -305,7 +306,7 @@ def check_metadata(meta: Mapping[str, Any]) -> None:
     tokens whose concatenation is a token; ids, flags and the chat template of the right type.
     Each error names the key and the offending entry.
     """
-    _read_vocabulary(meta)
+    return _read_vocabulary(meta)
 
 
 def _read_vocabulary(meta: Mapping[str, Any]) -> _Vocabulary:
@@ -404,7 +405,11 @@ class Tokenizer:
         eot/eom ids, add_bos_token, add_space_prefix) and `tokenizer.chat_template`, checked as
         `check_metadata` describes (GGUFError, a ValueError, when they do not pass).
         """
-        v = _read_vocabulary(meta)
+        return cls.from_vocabulary(_read_vocabulary(meta))
+
+    @classmethod
+    def from_vocabulary(cls, v: "_Vocabulary") -> "Tokenizer":
+        """Build the tokenizer from a vocabulary `check_metadata` returned (already checked)."""
         if v.spec is not None:
             hf = cls._build_byte_level(v.index, v.merges, v.spec)
         else:
