@@ -90,7 +90,7 @@ def run_llama_cpp(py, path, ids, gens, threads):
 
 
 def bench_throughput(model, n, gen, max_batch, engines, py, threads):
-    from npllama.batch import complete_many
+    from npllama.scheduler import complete_many
     prompts = make_prompts(model, n)
     ids = [model.tokenize(p, special=True) for p in prompts]
     n_prompt = sum(map(len, ids))
@@ -147,7 +147,7 @@ def bench_memory_and_f16(model, text_tokens: int = 160):
 
 
 def bench_shared_prefix(model, n, gen, max_batch):
-    from npllama.batch import complete_many
+    from npllama.scheduler import complete_many
     prompts = [model.format_chat([{"role": "system", "content": SYSTEM},
                                   {"role": "user", "content": TASKS[1].format(s)}]) for s in SUBJECTS[:n]]
     common = len(os.path.commonprefix([model.tokenize(p, special=True) for p in prompts]))

@@ -4,7 +4,8 @@
     model = npllama.load()                      # SmolLM2-135M-Instruct Q4_1 unless told otherwise
     print(model.chat([{"role": "user", "content": "Hi!"}], max_tokens=64))
 """
-from .batch import beam_search, complete_many, forward_batch, generate_many
+from .batch import beam_search, forward_batch
+from .scheduler import Scheduler, complete_many, generate_many
 from .errors import (ChatTemplateError, ContextOverflowError, GGUFError, MemoryLimitError, ModelFetchError,
                      PositionError)
 from .generate import Completion, Token
@@ -20,7 +21,7 @@ from .session import Session
 __all__ = [
     "ChatTemplateError", "Completion", "ContextOverflowError", "GGUFError", "GGUFFile", "KVCache", "KVPool",
     "MemoryLimitError", "Model", "ModelConfig", "ModelFetchError", "PoolExhaustedError", "PoolSeq", "PositionError",
-    "SamplingParams", "Session", "Token", "beam_search", "complete_many", "dequantize", "forward_batch",
+    "SamplingParams", "Scheduler", "Session", "Token", "beam_search", "complete_many", "dequantize", "forward_batch",
     "generate_many", "load", "make_sampler", "matmul", "pull",
 ]
 __version__ = "0.1.0"

@@ -1,5 +1,4 @@
-"""Batched inference over a paged KV pool: one forward pass for many sequences, continuous
-batching, beam search and shared prompt prefixes.
+"""Batched inference over a paged KV pool: one forward pass for many sequences, and beam search.
 
 Packed variable-length batches
 ------------------------------
@@ -21,18 +20,11 @@ tokens (a later chunk attends to keys an earlier one wrote), which keeps the act
 cache. Weights whose sizes are not whole 32-element blocks take the tiled-dequant + BLAS
 path, as Model.forward's prefill does.
 
-Scheduling
-----------
-`generate_many` keeps up to `max_batch` requests running; each step packs the decoding
-requests (one token each) with prefill chunks of newly admitted prompts, and a prompt joins
-as soon as another request finishes and the pool has room for it. Full pages of computed
-prompts are kept in the pool's prefix cache, so prompts that share a page-aligned prefix
-(a system prompt, a few-shot header) compute it once. `beam_search` forks pool sequences
-(copy-on-write pages) to branch and frees the losers.
+Continuous batching (npllama.scheduler) steps many requests through `forward_batch`;
+`beam_search` forks pool sequences (copy-on-write pages) to branch and frees the losers.
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -40,19 +32,15 @@ import numpy as np
 
 from .attention import MASKED
 from .errors import ContextOverflowError
-from .generate import (SAMPLING_KEYS, Completion, Token, _logprobs, _StopScanner, check_logprobs,
-                       check_max_tokens, check_stop, fit_prompt, prompt_ids)
+from .generate import check_max_tokens, prompt_ids
 from . import block
 from .f16 import bits
 from .kvpool import KVPool, PoolExhaustedError, PoolSeq
 from .paged_attention import _paged_kernel, plan_blocks
-from .progress import Progress
 from .rows import RowOps, _rmsnorm_rows, matmul_rows
-from .session import check_ctx
-from .sampling import SamplingParams, make_sampler
 from .threads import check_threads, using_threads
 
-__all__ = ["forward_batch", "generate_many", "complete_many", "beam_search", "BeamSearch", "Beam",
+__all__ = ["forward_batch", "beam_search", "BeamSearch", "Beam",
            "batch_mask", "KVPool", "PoolSeq", "PoolExhaustedError"]
 
 CHUNK_TOKENS = 256     # packed tokens per pass through the layers (longer batches run in chunks)
@@ -167,185 +155,6 @@ def batch_mask(lengths, kv_len: int) -> np.ndarray:
         raise ValueError(f"batch_mask: lengths must be a 1-D array of values in [0, {kv_len}], got {lengths}")
     keep = np.arange(kv_len)[None, :] < lengths[:, None]  # (B, K)
     return np.where(keep, np.float32(0.0), np.float32(MASKED)).astype(np.float32)[:, None, None, :]
-
-
-# ---------------------------------------------------------------------------------------
-# Continuous batching
-# ---------------------------------------------------------------------------------------
-
-class _Request:
-    """One prompt's generation state, stepped by the scheduler (mirrors generate_tokens)."""
-
-    def __init__(self, index, ids, max_tokens, sampler, stop, stop_ids, logprobs, tokenizer, ctx):
-        from .tokenizer import StreamDecoder
-        self.index, self.ids, self.max_tokens = index, ids, max_tokens
-        self.sampler, self.stop_ids, self.logprobs, self.ctx = sampler, stop_ids, logprobs, ctx
-        self.decoder = StreamDecoder(tokenizer, skip_special=True)
-        self.scanner = _StopScanner(stop)
-        self.history = list(ids)
-        self.out: list[Token] = []
-        self.seq: PoolSeq | None = None
-        self.fed = 0            # prompt tokens in the cache (computed or shared)
-        self.pending = None     # the sampled token to feed next
-        self.reason, self.tail, self.done = "length", "", False
-
-    def advance(self, logits) -> None:
-        """Take the logits after the last fed token: sample, and either stop or set `pending`."""
-        tid = self.sampler(logits, self.history)
-        if tid in self.stop_ids:
-            return self._finish("stop")
-        self.history.append(tid)
-        text, stopped = self.scanner.push(self.decoder.feed(tid))
-        lp = _logprobs(logits, tid, self.logprobs) if self.logprobs else ()
-        self.out.append(Token(tid, text, *lp))
-        if stopped:
-            self.reason, self.done = "stop", True
-            return
-        if len(self.out) == self.max_tokens or self.seq.length >= self.ctx:
-            return self._finish("length")
-        self.pending = tid
-
-    def _finish(self, reason) -> None:
-        tail, _ = self.scanner.push(self.decoder.flush())
-        self.reason, self.tail, self.done = reason, tail + self.scanner.flush(), True
-
-    def completion(self) -> Completion:
-        return Completion("".join(t.text for t in self.out) + self.tail, self.out, self.reason, len(self.ids))
-
-
-def _common_prefix(a, b) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def complete_many(model, prompts: Sequence, *, max_tokens: int = 256, stop: str | Sequence[str] = (),
-                  logprobs: int = 0, max_batch: int = 16, ctx: int | None = None, truncate: bool = False,
-                  pool: KVPool | None = None, page_size: int = 16, kv_dtype=None,
-                  prefix_cache: bool = True, step_tokens: int = 512, threads: int | None = None,
-                  stats: dict | None = None, progress: bool | None = None,
-                  sampling: SamplingParams | None = None, **sampling_options) -> list[Completion]:
-    """A Completion for each prompt, in input order, generated with continuous batching.
-
-    Up to `max_batch` prompts run at once; each step is one packed forward pass over the
-    decoding requests (one token each) and chunks of newly admitted prompts (at most
-    `step_tokens` tokens per step). A prompt joins as soon as another finishes. Every
-    request samples with its own sampler built from the same options, so the results are
-    those of calling `model.complete` on each prompt alone (token for token with greedy
-    sampling, up to float rounding in near ties). With `prefix_cache`, prompts sharing
-    page-aligned prefixes compute them once. `stats`, if given, is filled with counts:
-    prompt_tokens, prefill_tokens (computed), cached_tokens, steps, generated_tokens.
-    """
-    unknown = set(sampling_options) - SAMPLING_KEYS
-    if unknown:
-        raise TypeError(f"unexpected keyword arguments: {', '.join(sorted(unknown))}")
-    params = SamplingParams(**{**(sampling or SamplingParams()).__dict__, **sampling_options})
-    check_max_tokens(max_tokens)
-    if not isinstance(max_batch, int) or max_batch < 1:
-        raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
-    if not isinstance(step_tokens, int) or step_tokens < 1:
-        raise ValueError(f"step_tokens must be an integer >= 1, got {step_tokens!r}")
-    ctx = check_ctx(ctx, model.config.n_ctx)
-    stops = check_stop(stop)
-    logprobs = check_logprobs(logprobs)
-    tok = model.tokenizer
-    room = None if truncate else ctx - max_tokens
-    reqs = [_Request(i, fit_prompt(prompt_ids(model, p, room), ctx, max_tokens, truncate), max_tokens,
-                     make_sampler(params), stops, tok.eot_ids, logprobs, tok, ctx)
-            for i, p in enumerate(prompts)]
-    st = stats if stats is not None else {}
-    st.update(prompt_tokens=sum(len(r.ids) for r in reqs), prefill_tokens=0, cached_tokens=0, steps=0,
-              generated_tokens=0)
-    if pool is None:
-        need = sorted(-(-(len(r.ids) + max_tokens) // page_size) for r in reqs)
-        n_pages = max(1, sum(need[-max_batch:]) + (need[-1] if need else 0))
-        pool = KVPool.for_model(model, n_pages, page_size=page_size, dtype=kv_dtype)
-    _check_pool(model, pool)
-    ps = pool.page_size
-    waiting = deque(r for r in reqs if max_tokens > 0)
-    for r in reqs:
-        if max_tokens == 0:
-            r.done = True
-    running: list[_Request] = []
-
-    def outstanding() -> int:
-        return sum(pool.pages_for(len(r.ids) + r.max_tokens) - len(r.seq.pages) for r in running)
-
-    def admit() -> None:
-        i = 0
-        while len(running) < max_batch and i < len(waiting):
-            r = waiting[i]
-            seq = pool.new_seq()
-            shared = pool.prefix.attach(seq, r.ids) if prefix_cache else 0
-            if prefix_cache:
-                # wait for a running prompt that will compute more of this prompt's pages
-                limit = (len(r.ids) - 1) // ps
-                later = max((min(_common_prefix(o.ids, r.ids) // ps, len(o.ids) // ps, limit)
-                             for o in running if o.fed < len(o.ids)), default=0)
-                if later > shared // ps:
-                    pool.free(seq)
-                    i += 1
-                    continue
-            need = pool.pages_for(len(r.ids) + r.max_tokens) - len(seq.pages)
-            if need + outstanding() > pool.n_available:
-                pool.free(seq)
-                if not running:
-                    raise PoolExhaustedError(need, pool.n_available,
-                                             f"prompt {r.index} ({len(r.ids)} tokens + {r.max_tokens} new)")
-                return
-            r.seq, r.fed = seq, shared
-            st["cached_tokens"] += shared
-            running.append(r)
-            del waiting[i]
-
-    with Progress(len(reqs), "generate", unit="prompts", enabled=progress) as bar:
-        try:
-            while waiting or running:
-                admit()
-                seqs, feeds, members = [], [], []
-                # decoding requests feed one token each; prompts share the rest of the step
-                budget = max(step_tokens - sum(1 for r in running if r.fed == len(r.ids)), 1)
-                for r in running:
-                    if r.fed < len(r.ids):
-                        n = min(len(r.ids) - r.fed, budget)
-                        if n == 0:
-                            continue
-                        budget -= n
-                        feed = r.ids[r.fed:r.fed + n]
-                    else:
-                        feed = [r.pending]
-                    seqs.append(r.seq)
-                    feeds.append(feed)
-                    members.append(r)
-                logits = forward_batch(model, pool, seqs, feeds, threads=threads)
-                st["steps"] += 1
-                for r, feed, lg in zip(members, feeds, logits):
-                    if r.fed < len(r.ids):
-                        r.fed += len(feed)
-                        st["prefill_tokens"] += len(feed)
-                        if r.fed < len(r.ids):
-                            continue
-                        if prefix_cache:
-                            pool.prefix.publish(r.seq, len(r.ids))
-                    else:
-                        st["generated_tokens"] += 1
-                    r.advance(lg)
-                    if r.done:
-                        pool.free(r.seq)
-                        running.remove(r)
-                        bar.update(1)
-        finally:
-            for r in running:
-                pool.free(r.seq)
-    return [r.completion() for r in reqs]
-
-
-def generate_many(model, prompts: Sequence, **options) -> list[str]:
-    """The generated text for each prompt, in input order, with continuous batching; the
-    options are those of `complete_many` (sampling keywords, max_tokens, stop, max_batch...)."""
-    return [c.text for c in complete_many(model, prompts, **options)]
 
 
 # ---------------------------------------------------------------------------------------

@@ -173,13 +173,13 @@ def embed(model, texts: str | Sequence[str]) -> np.ndarray:
 def generate_batch(model, prompts: Sequence, *, progress: bool | None = None, **options) -> list[str]:
     """The generated text for each prompt, in input order (a progress bar shows for long lists).
 
-    Prompts run together with continuous batching (`npllama.batch.generate_many`: new prompts
+    Prompts run together with continuous batching (`npllama.scheduler.generate_many`: new prompts
     join as others finish, shared prefixes are computed once); with greedy sampling each result
     equals running that prompt alone. The batched kernels compute in float32, so a model loaded
     with activations="int8" runs its prompts one by one instead, to keep that equality.
     """
     if model.activations == "f32":
-        from .batch import generate_many
+        from .scheduler import generate_many
         return generate_many(model, prompts, progress=progress, **options)
     results = []
     with Progress(len(prompts), "generate", unit="prompts", enabled=progress) as bar:

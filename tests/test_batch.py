@@ -7,7 +7,8 @@ from gguf import GGMLQuantizationType as QT
 import npllama
 from npllama import quants
 from npllama.attention import MASKED, attend
-from npllama.batch import BeamSearch, batch_mask, beam_search, complete_many, forward_batch, generate_many
+from npllama.batch import BeamSearch, batch_mask, beam_search, forward_batch
+from npllama.scheduler import complete_many, generate_many
 from npllama.rows import matmul_rows
 from npllama.kvpool import KVPool, PoolExhaustedError
 from npllama.model import QWeight

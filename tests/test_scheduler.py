@@ -1,0 +1,98 @@
+"""The continuous-batching Scheduler driven step by step, as a server's engine thread drives it:
+requests that join mid-run, cancellation, and a request the pool can never hold."""
+import numpy as np
+import pytest
+
+import npllama
+from npllama.kvpool import KVPool, PoolExhaustedError
+from npllama.sampling import GREEDY, make_sampler
+from npllama.scheduler import Request, Scheduler
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_path):
+    return npllama.Model(tiny_model_path, threads=2)
+
+
+def prompt(seed, n):
+    return np.random.default_rng(seed).integers(3, 250, n).tolist()
+
+
+def request(model, ids, max_tokens=6, tag=None):
+    return Request(model, ids, max_tokens=max_tokens, sampler=make_sampler(GREEDY), tag=tag)
+
+
+def alone(model, ids, max_tokens=6):
+    return [t.id for t in model.complete(ids, temperature=0, max_tokens=max_tokens).tokens]
+
+
+def test_a_request_submitted_mid_run_joins_and_both_equal_their_runs_alone(model):
+    pool = KVPool.for_model(model, tokens=128, page_size=4)
+    sched = Scheduler(model, pool, max_batch=4)
+    a, b = request(model, prompt(1, 9)), request(model, prompt(2, 5))
+    sched.submit(a)
+    for _ in range(3):
+        sched.step()
+    assert len(a.tokens) == 3 and not a.done
+    sched.submit(b)
+    changed = sched.step()
+    assert a in changed and b in changed and len(b.tokens) == 1  # b's prompt ran in the same pass
+    while not sched.idle:
+        sched.step()
+    assert [t.id for t in a.tokens] == alone(model, a.ids)
+    assert [t.id for t in b.tokens] == alone(model, b.ids)
+    assert a.finish_reason == b.finish_reason == "length"
+    assert pool.n_available == pool.n_pages  # every page is free or an unused prefix-cache page
+
+
+def test_cancel_frees_pages_and_leaves_the_others_intact(model):
+    pool = KVPool.for_model(model, tokens=256, page_size=4)
+    sched = Scheduler(model, pool, max_batch=2, prefix_cache=False)
+    reqs = [request(model, prompt(10 + i, 7), max_tokens=8) for i in range(3)]
+    for r in reqs:
+        sched.submit(r)
+    sched.step()
+    assert reqs[0] in sched.running and reqs[2] in sched.waiting
+    sched.cancel(reqs[0])   # running: its pages go back now
+    sched.cancel(reqs[2])   # waiting: never runs
+    assert reqs[0].finish_reason == reqs[2].finish_reason == "cancelled" and reqs[0].seq is None
+    while not sched.idle:
+        sched.step()
+    assert [t.id for t in reqs[1].tokens] == alone(model, reqs[1].ids, 8)
+    assert reqs[2].tokens == [] and pool.n_free == pool.n_pages
+    sched.cancel(reqs[1])   # finished: left as it is
+    assert reqs[1].finish_reason == "length"
+
+
+def test_a_request_the_pool_cannot_hold_fails_alone(model):
+    pool = KVPool.for_model(model, 4, page_size=4)   # 16 tokens
+    sched = Scheduler(model, pool)
+    big, small = request(model, prompt(3, 20), tag="big"), request(model, prompt(4, 3), max_tokens=4)
+    sched.submit(big)
+    sched.submit(small)
+    changed = sched.step()
+    assert big in changed and big.done and big.finish_reason == "error"
+    assert isinstance(big.error, PoolExhaustedError) and "prompt big (20 tokens + 6 new)" in str(big.error)
+    while not sched.idle:
+        sched.step()
+    assert [t.id for t in small.tokens] == alone(model, small.ids, 4)
+    assert pool.n_free == pool.n_pages
+
+
+def test_close_cancels_everything(model):
+    pool = KVPool.for_model(model, tokens=128, page_size=4)
+    sched = Scheduler(model, pool, max_batch=1, prefix_cache=False)
+    reqs = [request(model, prompt(20 + i, 5)) for i in range(2)]
+    for r in reqs:
+        sched.submit(r)
+    sched.step()
+    sched.close()
+    assert sched.idle and all(r.finish_reason == "cancelled" for r in reqs) and pool.n_free == pool.n_pages
+
+
+def test_scheduler_checks_its_arguments(model):
+    pool = KVPool.for_model(model, tokens=32, page_size=4)
+    with pytest.raises(ValueError, match="max_batch"):
+        Scheduler(model, pool, max_batch=0)
+    with pytest.raises(ValueError, match="step_tokens"):
+        Scheduler(model, pool, step_tokens=0)
