@@ -1,4 +1,4 @@
-"""Benchmark npllama.attention.attend against plain NumPy attention.
+"""Benchmark npllama.kernels.attention.attend against plain NumPy attention.
 
 Decode (one query, H=9, KVH=3, D=64) at KV 1024 and 4096, and a prefill case (S=128), each
 timed for the Numba kernel reading the interleaved cache buffer and for the NumPy path a
@@ -30,7 +30,7 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from npllama.attention import attend  # noqa: E402
+from npllama.kernels.attention import attend  # noqa: E402
 
 H, KVH, D = 9, 3, 64
 

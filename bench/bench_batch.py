@@ -90,7 +90,7 @@ def run_llama_cpp(py, path, ids, gens, threads):
 
 
 def bench_throughput(model, n, gen, max_batch, engines, py, threads):
-    from npllama.scheduler import complete_many
+    from npllama.generation.scheduler import complete_many
     prompts = make_prompts(model, n)
     ids = [model.tokenize(p, special=True) for p in prompts]
     n_prompt = sum(map(len, ids))
@@ -129,8 +129,8 @@ def bench_throughput(model, n, gen, max_batch, engines, py, threads):
 
 
 def bench_memory_and_f16(model, text_tokens: int = 160):
-    from npllama.batch import forward_batch
-    from npllama.kvpool import KVPool
+    from npllama.engine.batch import forward_batch
+    from npllama.cache.kvpool import KVPool
     ids = model.tokenize(" ".join(f"{s.capitalize()} is a fine subject: {t.format(s)}" for s in SUBJECTS
                                   for t in TASKS[:1]) * 3)[:text_tokens]
     logits = {}
@@ -147,7 +147,7 @@ def bench_memory_and_f16(model, text_tokens: int = 160):
 
 
 def bench_shared_prefix(model, n, gen, max_batch):
-    from npllama.scheduler import complete_many
+    from npllama.generation.scheduler import complete_many
     prompts = [model.format_chat([{"role": "system", "content": SYSTEM},
                                   {"role": "user", "content": TASKS[1].format(s)}]) for s in SUBJECTS[:n]]
     common = len(os.path.commonprefix([model.tokenize(p, special=True) for p in prompts]))
@@ -177,7 +177,7 @@ def main():
     args = ap.parse_args()
 
     import npllama
-    from npllama.hub import resolve_model
+    from npllama.gguf.hub import resolve_model
     model = npllama.Model(resolve_model(args.model), threads=args.threads)
     skip = set(filter(None, args.skip.split(",")))
     print(f"model {Path(model.path).name}, {args.threads} threads")

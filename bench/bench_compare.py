@@ -144,7 +144,7 @@ def main():
     if unknown := [e for e in engines if e not in known]:
         ap.error(f"unknown engine(s) {', '.join(unknown)}; the engines are {', '.join(known)}")
 
-    from npllama.hub import resolve_model
+    from npllama.gguf.hub import resolve_model
     path = resolve_model(args.model)
     tmp = tempfile.TemporaryDirectory()
     py = ref_python()

@@ -1,5 +1,5 @@
-"""Decode products with int8 activations (npllama.quants_int8) against the float32-activation
-kernels (npllama.quants._matvec), in GB/s of weight bytes read.
+"""Decode products with int8 activations (npllama.kernels.quants_int8) against the float32-activation
+kernels (npllama.kernels.quants._matvec), in GB/s of weight bytes read.
 
 For the default model's weight shapes and types (as bench/bench_kernels.py), each pass runs one
 product per copy of the matrix, cycling over enough copies that the weights come from DRAM,
@@ -24,7 +24,8 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import quantize
 from numba import njit
 
-from npllama import quants, quants_int8
+from npllama.kernels import quants
+from npllama.kernels import quants_int8
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import parse_args, start  # noqa: E402

@@ -1,4 +1,4 @@
-"""Decode-product throughput of the npllama.quants kernels against this machine's read bandwidth.
+"""Decode-product throughput of the npllama.kernels.quants kernels against this machine's read bandwidth.
 
 Measures, in one run:
   1. read bandwidth: a Numba parallel sum over a large float32 array (best of several);
@@ -29,7 +29,8 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import quantize
 from numba import njit, prange
 
-from npllama import quants, quants_int8
+from npllama.kernels import quants
+from npllama.kernels import quants_int8
 
 SHAPES = [  # (what, type, rows = out features, cols = in features)
     ("attn q/o, 576x576", QT.Q4_1, 576, 576),

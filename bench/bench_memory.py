@@ -45,7 +45,7 @@ def main():
     ap.add_argument("--activations", default="f32", choices=["f32", "int8"], help="decode activations")
     args = ap.parse_args()
     import npllama
-    from npllama import quants
+    from npllama.kernels import quants
     quants.dequantize(np.zeros((1, 34), np.uint8), 8)  # start Numba's JIT: part of the runtime
     runtime, llvm, scipy = rss_mib(), mapped_mib("libllvmlite"), "scipy" in sys.modules
     m = npllama.load(args.model, kv_dtype=args.kv_dtype, activations=args.activations)

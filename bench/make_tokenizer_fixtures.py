@@ -58,7 +58,7 @@ CONVERSATIONS = [
      {"role": "user", "content": "<|im_start|>literal markers<|im_end|>"}],
 ]
 
-# Exercises what HF's Jinja environment adds or configures; rendered by HF and by npllama.chat.
+# Exercises what HF's Jinja environment adds or configures; rendered by HF and by npllama.text.chat.
 FEATURE_TEMPLATE = """{%- set ns = namespace(system='', turns=0) -%}
 {%- for message in messages -%}
     {%- if message['role'] == 'system' -%}

@@ -4,19 +4,20 @@
     model = npllama.load()                      # SmolLM2-135M-Instruct Q4_1 unless told otherwise
     print(model.chat([{"role": "user", "content": "Hi!"}], max_tokens=64))
 """
-from .batch import beam_search, forward_batch
-from .scheduler import Scheduler, complete_many, generate_many
 from .errors import (ChatTemplateError, ContextOverflowError, GGUFError, MemoryLimitError, ModelFetchError,
                      PositionError)
-from .generate import Completion, Token
-from .gguf_file import GGUFFile, ModelConfig
-from .hub import pull
-from .kvcache import KVCache
-from .kvpool import KVPool, PoolExhaustedError, PoolSeq
+from .kernels.quants import dequantize, matmul
+from .cache.kvcache import KVCache
+from .cache.kvpool import KVPool, PoolExhaustedError, PoolSeq
+from .gguf.reader import GGUFFile, ModelConfig
+from .gguf.hub import pull
+from .engine.session import Session
+from .engine.batch import forward_batch
+from .generation.sampling import SamplingParams, make_sampler
+from .generation.generate import Completion, Token
+from .generation.scheduler import Scheduler, complete_many, generate_many
+from .generation.beam import beam_search
 from .model import Model, load
-from .quants import dequantize, matmul
-from .sampling import SamplingParams, make_sampler
-from .session import Session
 
 __all__ = [
     "ChatTemplateError", "Completion", "ContextOverflowError", "GGUFError", "GGUFFile", "KVCache", "KVPool",

@@ -41,8 +41,8 @@ def _load(args):
 
 
 def cmd_info(args) -> int:
-    from .gguf_file import GGUFFile
-    from .hub import resolve_model
+    from .gguf.reader import GGUFFile
+    from .gguf.hub import resolve_model
     f = GGUFFile(resolve_model(args.model))
     c = f.config
     meta = f.metadata
@@ -143,7 +143,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_pull(args) -> int:
-    from .hub import pull
+    from .gguf.hub import pull
     print(pull(args.name, force=args.force))
     return 0
 
@@ -154,7 +154,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .hub import DEFAULT_MODEL, KNOWN_MODELS
+    from .gguf.hub import DEFAULT_MODEL, KNOWN_MODELS
     ap = _Parser(prog="npllama", description="CPU-first LLM inference on NumPy and Numba")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=_Parser)
     p = sub.add_parser("info", help="describe a model: architecture, sizes, quant mix, tokenizer")

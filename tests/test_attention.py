@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from npllama.attention import attend, attend_kv
-from npllama.kvcache import KVCache
+from npllama.kernels.attention import attend, attend_kv
+from npllama.cache.kvcache import KVCache
 
 RTOL, ATOL = 1e-5, 1e-6
 

@@ -5,14 +5,15 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 import npllama
-from npllama import quants
-from npllama.attention import MASKED, attend
-from npllama.batch import BeamSearch, batch_mask, beam_search, forward_batch
-from npllama.scheduler import complete_many, generate_many
-from npllama.rows import matmul_rows
-from npllama.kvpool import KVPool, PoolExhaustedError
-from npllama.model import QWeight
-from npllama.paged_attention import paged_attend
+from npllama.kernels import quants
+from npllama.kernels.attention import MASKED, attend
+from npllama.engine.batch import batch_mask, forward_batch
+from npllama.generation.beam import BeamSearch, beam_search
+from npllama.generation.scheduler import complete_many, generate_many
+from npllama.kernels.rows import matmul_rows
+from npllama.cache.kvpool import KVPool, PoolExhaustedError
+from npllama.arch.weights import QWeight
+from npllama.kernels.paged_attention import paged_attend
 
 LENGTHS = (3, 7, 12, 20)
 
@@ -61,7 +62,7 @@ def test_packed_batch_equals_single_sessions_q8(q8_model):
 
 
 def test_packed_batch_in_chunks_and_through_blas(model, monkeypatch):
-    from npllama import batch
+    from npllama.engine import batch
     monkeypatch.setattr(batch, "CHUNK_TOKENS", 5)  # chunks cut through the sequences
     check_batch_equals_sessions(model, 4)
     monkeypatch.setattr(batch, "USE_ROW_KERNELS", False)  # the tiled-dequant + BLAS products
@@ -372,8 +373,8 @@ import gguf.quants as gguf_quants  # noqa: E402  (this section's imports, kept w
 from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
 
 import naive  # noqa: E402
-from npllama import rows as row_kernels  # noqa: E402
-from npllama.kernels import ACTS, RopeTable  # noqa: E402
+from npllama.kernels import rows as row_kernels
+from npllama.kernels.nn import ACTS, RopeTable  # noqa: E402
 from test_products import assert_close, weight  # noqa: E402
 from tinygguf import write_tiny_llama  # noqa: E402
 

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from npllama import chat, cli
-from npllama.chat import CHATML_TEMPLATE, MAX_BUILT, MAX_CHARS, format_chat, validate_messages
+from npllama import cli
+from npllama.text import chat
+from npllama.text.chat import CHATML_TEMPLATE, MAX_BUILT, MAX_CHARS, format_chat, validate_messages
 from npllama.errors import ChatTemplateError
-from npllama.tokenizer import Tokenizer
+from npllama.text.tokenizer import Tokenizer
 from tinygguf import CHAT_TEMPLATE, tiny_vocab
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -1,9 +1,9 @@
-"""float16 storage from compiled code (npllama.f16): conversions against NumPy's."""
+"""float16 storage from compiled code (npllama.kernels.f16): conversions against NumPy's."""
 import numpy as np
 import pytest
 from numba import njit
 
-from npllama.f16 import _f32_to_half_soft, _ld, _st, bits
+from npllama.kernels.f16 import _f32_to_half_soft, _ld, _st, bits
 
 
 @njit

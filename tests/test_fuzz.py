@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import fuzz_targets as ft
-from npllama import textapi
-from npllama.generate import check_logprobs, check_max_tokens, check_stop
-from npllama.sampling import SamplingParams, logit_bias, make_sampler, penalties
+from npllama.generation import api as textapi
+from npllama.generation.generate import check_logprobs, check_max_tokens, check_stop
+from npllama.generation.sampling import SamplingParams, logit_bias, make_sampler, penalties
 
 FUZZ_SECONDS = int(os.environ.get("NPLLAMA_FUZZ_SECONDS", "20"))
 
@@ -42,7 +42,7 @@ def test_committed_corpus_replays(target):
 
 def test_gguf_seeds_load():
     """The GGUF seeds are valid models, so that mutations start from a file that passes every check."""
-    from npllama.gguf_file import GGUFFile
+    from npllama.gguf.reader import GGUFFile
     for name, head in ft.gguf_seeds().items():
         path = ft._scratch()
         path.unlink(missing_ok=True)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from npllama import ContextOverflowError
-from npllama.generate import _StopScanner
+from npllama.generation.generate import _StopScanner
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

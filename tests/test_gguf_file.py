@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as QT
 
 from npllama.errors import GGUFError
 from npllama.arch import Rope
-from npllama.gguf_file import GGUFFile, ModelConfig, TensorInfo
+from npllama.gguf.reader import GGUFFile, ModelConfig, TensorInfo
 from tinygguf import tiny_vocab, write_tiny_llama
 
 N_VOCAB = len(tiny_vocab()[0])

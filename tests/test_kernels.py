@@ -4,7 +4,7 @@ import pytest
 from numba import njit
 
 from npllama import ContextOverflowError
-from npllama.kernels import _FM, RopeTable, _exp, glu, rmsnorm, swiglu
+from npllama.kernels.nn import _FM, RopeTable, _exp, glu, rmsnorm, swiglu
 
 rng = np.random.default_rng(0)
 

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from npllama.kvcache import KVCache
+from npllama.cache.kvcache import KVCache
 
 KVH, D = 3, 8
 

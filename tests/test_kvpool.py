@@ -3,7 +3,7 @@ and the prefix cache."""
 import numpy as np
 import pytest
 
-from npllama.kvpool import KVPool, PoolExhaustedError, PoolSeq
+from npllama.cache.kvpool import KVPool, PoolExhaustedError, PoolSeq
 
 L, KVH, D, PS = 2, 3, 8, 4
 

@@ -2,10 +2,10 @@
 import numpy as np
 import pytest
 
-from npllama import memory
+from npllama.cache import memory
 from npllama.errors import MemoryLimitError
-from npllama.kvcache import KVCache
-from npllama.kvpool import KVPool
+from npllama.cache.kvcache import KVCache
+from npllama.cache.kvpool import KVPool
 
 GiB = 2**30
 

@@ -107,7 +107,7 @@ def test_decode_scratch_is_reused_and_needs_no_clearing(tmp_path, activations):
     """The fused step's working memory is allocated once per plan (again only for more
     threads) and reused: filled with garbage before every step, it gives the same logits
     as fresh memory; threads=1 after threads=2 keeps the larger scratch."""
-    from npllama.decode import DecodePlan
+    from npllama.engine.decode import DecodePlan
     path = write_tiny_llama(tmp_path / "m.gguf", qtype=QT.Q4_1, n_embd=96, n_head=6, n_head_kv=2, n_ff=128)
     m = npllama.Model(path, activations=activations)
     ids = [(7 * i) % 250 for i in range(70)]  # up to 4 attention chunks per step
@@ -159,8 +159,8 @@ def test_int8_plan_packs_q4_1(tmp_path):
     """In int8 mode the decode step reads every Q4_1 product weight from one packed copy
     (quants_int8.pack_q4_1 of the file's rows); other weights and the embedding lookup read
     the file."""
-    from npllama.decode import DecodePlan
-    from npllama.quants_int8 import _Q4_1P, pack_q4_1
+    from npllama.engine.decode import DecodePlan
+    from npllama.kernels.quants_int8 import _Q4_1P, pack_q4_1
     path = write_tiny_llama(tmp_path / "m.gguf", qtype=QT.Q4_1, tied=False)
     m = npllama.Model(path, activations="int8")
     exact, plan = DecodePlan(m), DecodePlan(m, int8=True)

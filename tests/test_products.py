@@ -1,12 +1,12 @@
-"""npllama.quants.matmul against gguf.quants.dequantize(data) @ x, for every supported type."""
+"""npllama.kernels.quants.matmul against gguf.quants.dequantize(data) @ x, for every supported type."""
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 from numba import njit
 import gguf.quants
 
-from npllama import quants
-from npllama.threads import using_threads
+from npllama.kernels import quants
+from npllama.kernels.threads import using_threads
 from test_quants import FLOAT_TYPES, random_blocks
 
 
@@ -224,7 +224,7 @@ def test_direct_dot_non_contiguous_x(qtype):
 def test_prefill_rows_with_direct_dots(qtype, T):
     """rows._matmul_rows (prefill and batched products): up to rows._FEW activation rows by
     the direct dots, more by dequantized tiles; 9 weight rows, a partial last tile."""
-    from npllama import rows
+    from npllama.kernels import rows
     rng = np.random.default_rng(T + int(qtype))
     data = weight(qtype, 9, rng, blocks=2)
     x = rng.normal(size=(T, quants.row_elems(qtype, data.shape[1]))).astype(np.float32)

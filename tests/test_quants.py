@@ -1,11 +1,11 @@
-"""npllama.quants.dequantize against gguf.quants.dequantize: bit-exact for every supported type."""
+"""npllama.kernels.quants.dequantize against gguf.quants.dequantize: bit-exact for every supported type."""
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf.constants import GGML_QUANT_SIZES
 import gguf.quants
 
-from npllama import quants
+from npllama.kernels import quants
 
 # Byte offsets of the float16 scale fields (d, m, dmin) inside one block of each quantized type.
 SCALE_OFFSETS = {
@@ -137,7 +137,7 @@ def test_exact_kernels_never_inherit_fastmath():
     """Numba compiles a function that leaves fastmath unset with the flags of the first
     fast-math caller (the fused decode step, say), and caches that version: the kernels that
     must be exact set fastmath=False themselves."""
-    from npllama import quants_int8
+    from npllama.kernels import quants_int8
     exact = [quants._deq_row, quants._dequantize_rows, quants._f16_at, quants._k_scale_min,
              quants_int8._quantize_x_q8]
     exact += [s.row_fn for s in quants._REGISTRY.values()]

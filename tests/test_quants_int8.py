@@ -1,4 +1,4 @@
-"""npllama.quants_int8: int8-activation decode products, against NumPy references of the same
+"""npllama.kernels.quants_int8: int8-activation decode products, against NumPy references of the same
 integer math, for every instruction set the kernels can be compiled for on this machine."""
 import os
 import subprocess
@@ -11,9 +11,9 @@ from gguf.constants import GGML_QUANT_SIZES
 import gguf.quants
 from numba import njit
 
-from npllama import quants
-from npllama import quants_int8 as qi
-from npllama.threads import using_threads
+from npllama.kernels import quants
+from npllama.kernels import quants_int8 as qi
+from npllama.kernels.threads import using_threads
 from test_products import small_scale_bits, weight
 from test_quants import SCALE_OFFSETS, random_blocks
 
@@ -617,7 +617,8 @@ def test_non_vnni_target_in_subprocess(tmp_path, drop, isa):
     code = f"""
 import numpy as np
 from gguf import GGMLQuantizationType as QT
-from npllama import quants_int8 as qi, quants
+from npllama.kernels import quants_int8 as qi
+from npllama.kernels import quants
 import test_quants_int8 as t
 from test_products import assert_close
 assert qi.DOT_ISA == {isa!r}, qi.DOT_ISA

@@ -1,4 +1,4 @@
-"""A model's RoPE tables (npllama.rope.Ropes): built for the positions reached, grown by
+"""A model's RoPE tables (npllama.kernels.rope.Ropes): built for the positions reached, grown by
 doubling up to the context, one table per entry of ModelConfig.ropes, and LongRoPE's choice
 of factors by a call's last position; values against a float64 NumPy reference."""
 from types import SimpleNamespace
@@ -8,7 +8,7 @@ import pytest
 
 from npllama import ContextOverflowError
 from npllama.arch import Rope
-from npllama.rope import Ropes
+from npllama.kernels.rope import Ropes
 
 
 def reference(positions, dim, base, linear=1.0, factors=None, mscale=1.0):

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from npllama.sampling import (SamplingParams, filter_candidates, logit_bias, make_sampler, penalties)
+from npllama.generation.sampling import (SamplingParams, filter_candidates, logit_bias, make_sampler, penalties)
 
 rng = np.random.default_rng(0)
 LOGITS = rng.standard_normal(1000).astype(np.float32) * 3

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 import npllama
-from npllama.kvpool import KVPool, PoolExhaustedError
-from npllama.sampling import GREEDY, make_sampler
-from npllama.scheduler import Request, Scheduler
+from npllama.cache.kvpool import KVPool, PoolExhaustedError
+from npllama.generation.sampling import GREEDY, make_sampler
+from npllama.generation.scheduler import Request, Scheduler
 
 
 @pytest.fixture(scope="module")

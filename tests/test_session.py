@@ -4,7 +4,7 @@ import pytest
 
 import npllama
 from npllama import ContextOverflowError, PositionError
-from npllama.session import Session
+from npllama.engine.session import Session
 from tinygguf import write_tiny_llama
 
 
@@ -131,7 +131,7 @@ def test_threads_per_model_and_per_call(tiny_model_path):
 def test_error_mid_forward_leaves_cache_unchanged(model, monkeypatch):
     s = model.session()
     s.feed([1, 2, 3])
-    import npllama.model as mm
+    import npllama.engine.transformer as mm
     calls = {"n": 0}
     real = mm.attend
 
@@ -149,7 +149,7 @@ def test_error_mid_forward_leaves_cache_unchanged(model, monkeypatch):
 
 
 def test_long_prompt_runs_in_chunks_with_the_same_result(model, monkeypatch):
-    import npllama.model as mm
+    import npllama.engine.transformer as mm
     ids = [int(i) for i in np.random.default_rng(3).integers(0, model.config.n_vocab, 23)]
     whole = model.session().feed(ids, all_logits=True)
     whole_hidden = model.forward(ids, 0, model.new_cache(), output="hidden")
@@ -164,8 +164,8 @@ def test_long_prompt_runs_in_chunks_with_the_same_result(model, monkeypatch):
 
 
 def test_long_prompt_allocates_the_cache_once(model, monkeypatch):
-    import npllama.model as mm
-    from npllama.kvcache import KVCache
+    import npllama.engine.transformer as mm
+    from npllama.cache.kvcache import KVCache
     monkeypatch.setattr(mm, "PREFILL_CHUNK", 5)
     sizes = []
     real = KVCache._alloc

@@ -19,7 +19,7 @@ import pytest
 import npllama
 import naive
 from npllama.errors import ContextOverflowError
-from npllama.generate import complete as complete_on_session, fit_prompt
+from npllama.generation.generate import complete as complete_on_session, fit_prompt
 from tinygguf import SPECIALS, tiny_vocab, write_tiny_llama
 
 CHAIN = "abcdéx€yz"   # é: 2 bytes, €: 3 bytes; one byte token each

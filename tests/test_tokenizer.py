@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from npllama.errors import GGUFError, ModelFetchError
-from npllama.gguf_file import read_metadata
-from npllama.hub import known_model_path
-from npllama.tokenizer import (TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_USER_DEFINED, StreamDecoder, Tokenizer,
+from npllama.gguf.reader import read_metadata
+from npllama.gguf.hub import known_model_path
+from npllama.text.tokenizer import (TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_USER_DEFINED, StreamDecoder, Tokenizer,
                                check_metadata)
 from fuzz_targets_tokenizer import CORPUS as FUZZ_CORPUS
 from fuzz_targets_tokenizer import base_metadata, fuzz_tokenizer_one_input, tokenizer_seeds

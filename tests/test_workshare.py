@@ -1,11 +1,11 @@
-"""Work items handed out by atomic counters (npllama.workshare)."""
+"""Work items handed out by atomic counters (npllama.kernels.workshare)."""
 import numba
 import numpy as np
 import pytest
 from numba import njit, prange
 
-from npllama.threads import using_threads
-from npllama.workshare import _fetch_add, _finish, _load_acquire, _take, _wait, phase_size
+from npllama.kernels.threads import using_threads
+from npllama.kernels.workshare import _fetch_add, _finish, _load_acquire, _take, _wait, phase_size
 
 
 @njit(parallel=True)

@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from ..weights import f32, llama_layer
+from .weights import f32, llama_layer
 from .base import Meta, Rope, llama_fields, llama_tensors, qk_norm_tensors
 
 NAMES = ("gemma3",)

@@ -2,7 +2,7 @@
 biases; `attention.key_length` may differ from n_embd / n_head."""
 from __future__ import annotations
 
-from ..weights import f32, llama_layer
+from .weights import f32, llama_layer
 from .base import Meta, llama_fields, llama_tensors, qk_norm_tensors
 
 NAMES = ("qwen3",)

@@ -3,7 +3,7 @@
 carry it)."""
 from __future__ import annotations
 
-from ..weights import llama_layer
+from .weights import llama_layer
 from .base import Meta, llama_fields, llama_tensors
 
 NAMES = ("smollm3",)

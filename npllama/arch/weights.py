@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import quants
+from ..kernels import quants
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from jinja2.runtime import LoopContext, Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
-from .errors import ChatTemplateError
+from ..errors import ChatTemplateError
 
 __all__ = ["CHATML_TEMPLATE", "MAX_BUILT", "MAX_CHARS", "MAX_INT_BITS", "MAX_SECONDS", "MAX_TEMPLATE_CHARS",
            "ROLES", "format_chat", "validate_messages"]

@@ -8,9 +8,9 @@ import reprlib
 
 import numpy as np
 
-from .errors import ContextOverflowError
-from .kvcache import KVCache
-from .threads import check_threads
+from ..errors import ContextOverflowError
+from ..cache.kvcache import KVCache
+from ..kernels.threads import check_threads
 
 
 def check_ctx(ctx, n_ctx: int) -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kernels import _rope, glu, rmsnorm
+from ..kernels.nn import _rope, glu, rmsnorm
 
 
 class Ops:

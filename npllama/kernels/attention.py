@@ -35,7 +35,7 @@ import numpy as np
 from numba import njit, prange
 
 from .f16 import _ld, bits
-from .kernels import _exp
+from .nn import _exp
 
 # No 'nnan' / 'ninf': the kernels rely on -inf for removed keys and empty running maxima.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp", "afn"}

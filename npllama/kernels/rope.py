@@ -8,7 +8,7 @@ import threading
 
 import numpy as np
 
-from .kernels import RopeTable, check_positions
+from .nn import RopeTable, check_positions
 
 _MIN_POSITIONS = 1024  # positions the tables are first built for
 

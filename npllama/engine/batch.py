@@ -1,4 +1,4 @@
-"""Batched inference over a paged KV pool: one forward pass for many sequences, and beam search.
+"""Batched inference over a paged KV pool: one forward pass for many sequences.
 
 Packed variable-length batches
 ------------------------------
@@ -20,28 +20,25 @@ tokens (a later chunk attends to keys an earlier one wrote), which keeps the act
 cache. Weights whose sizes are not whole 32-element blocks take the tiled-dequant + BLAS
 path, as Model.forward's prefill does.
 
-Continuous batching (npllama.scheduler) steps many requests through `forward_batch`;
-`beam_search` forks pool sequences (copy-on-write pages) to branch and frees the losers.
+Continuous batching (generation/scheduler.py) and beam search (generation/beam.py) step
+many sequences through `forward_batch`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
-from .attention import MASKED
-from .errors import ContextOverflowError
-from .generate import check_max_tokens, prompt_ids
+from ..cache.kvpool import KVPool, PoolSeq
+from ..kernels.attention import MASKED
+from ..kernels.f16 import bits
+from ..kernels.nn import ACTS
+from ..kernels.paged_attention import _paged_kernel, plan_blocks
+from ..kernels.rows import _gate_up_rows, _matmul_rows, _qkv_rows, _rmsnorm_rows, _rope_rows, matmul_rows
+from ..kernels.threads import check_threads, using_threads
 from . import block
-from .f16 import bits
-from .kvpool import KVPool, PoolExhaustedError, PoolSeq
-from .paged_attention import _paged_kernel, plan_blocks
-from .rows import RowOps, _rmsnorm_rows, matmul_rows
-from .threads import check_threads, using_threads
 
-__all__ = ["forward_batch", "beam_search", "BeamSearch", "Beam",
-           "batch_mask", "KVPool", "PoolSeq", "PoolExhaustedError"]
+__all__ = ["forward_batch", "batch_mask"]
 
 CHUNK_TOKENS = 256     # packed tokens per pass through the layers (longer batches run in chunks)
 USE_ROW_KERNELS = True  # False: every product through the tiled-dequant + BLAS path
@@ -125,6 +122,45 @@ def forward_batch(model, pool: KVPool, seqs: Sequence[PoolSeq], token_lists, *, 
     return np.split(logits, ends[:-1])
 
 
+class RowOps(block.Ops):
+    """The batched path's pieces: the row kernels of npllama.kernels.rows (one parallel region for
+    q/k/v, one for gate/up with the activation), serial per-token norms and RoPE."""
+
+    def __init__(self, cfg, attention):
+        super().__init__(cfg, _product_rows, attention)
+        self.eps = np.float32(cfg.rms_eps)
+        self.act = ACTS[cfg.act]
+
+    def norm(self, x, w):
+        x2 = x.reshape(-1, x.shape[-1])
+        out = np.empty_like(x2)
+        _rmsnorm_rows(x2, w, self.eps, out)
+        return out.reshape(x.shape)
+
+    def qkv(self, L, h):
+        T = h.shape[0]
+        q = np.empty((T, L.wq.rows), np.float32)
+        k = np.empty((T, L.wk.rows), np.float32)
+        v = np.empty((T, L.wv.rows), np.float32)
+        _qkv_rows(int(L.wq.qtype), L.wq.data, int(L.wk.qtype), L.wk.data, int(L.wv.qtype), L.wv.data, h, q, k, v, 16)
+        return q, k, v
+
+    def glu(self, gate, up, h):
+        out = np.empty((h.shape[0], gate.rows), np.float32)
+        _gate_up_rows(int(gate.qtype), gate.data, int(up.qtype), up.data, h, out, 16, self.act)
+        return out
+
+    def rope(self, x, positions, cos, sin):
+        _rope_rows(x, positions, cos, sin, self.cfg.rope_neox)
+
+
+def _product_rows(w, h):
+    """h @ w.T by the row kernels (h: T contiguous float32 rows)."""
+    out = np.empty((h.shape[0], w.rows), np.float32)
+    _matmul_rows(int(w.qtype), w.data, np.ascontiguousarray(h), out, 16)
+    return out
+
+
 def _head(model, x, rows_kernels):
     """Logits (rows, n_vocab) of final hidden states x (rows, n_embd)."""
     h = np.empty_like(x)
@@ -155,129 +191,3 @@ def batch_mask(lengths, kv_len: int) -> np.ndarray:
         raise ValueError(f"batch_mask: lengths must be a 1-D array of values in [0, {kv_len}], got {lengths}")
     keep = np.arange(kv_len)[None, :] < lengths[:, None]  # (B, K)
     return np.where(keep, np.float32(0.0), np.float32(MASKED)).astype(np.float32)[:, None, None, :]
-
-
-# ---------------------------------------------------------------------------------------
-# Beam search
-# ---------------------------------------------------------------------------------------
-
-@dataclass
-class Beam:
-    """A hypothesis: the generated token ids, their summed log-probability, and its text.
-    Live beams (during a search) also hold their pool sequence and their next-token logits."""
-    tokens: list[int]
-    score: float
-    text: str = ""
-    finished: bool = False
-    seq: PoolSeq | None = field(default=None, repr=False)
-    logits: np.ndarray | None = field(default=None, repr=False)
-
-
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    lg = logits.astype(np.float64)
-    m = lg.max()
-    return lg - (m + np.log(np.exp(lg - m).sum()))
-
-
-class BeamSearch:
-    """Beam search over a KV pool: beams are pool sequences; a beam chosen by several
-    children is forked (its pages shared, copied on write), a beam chosen by none is freed.
-
-    `step()` extends the live beams by one token; `live` and `finished` hold the beams.
-    """
-
-    def __init__(self, model, prompt, *, beams: int = 4, max_tokens: int = 32, pool: KVPool | None = None,
-                 page_size: int = 16, kv_dtype=None, threads: int | None = None):
-        if not isinstance(beams, int) or beams < 1:
-            raise ValueError(f"beams must be an integer >= 1, got {beams!r}")
-        check_max_tokens(max_tokens)
-        self.model, self.beams, self.max_tokens, self.threads = model, beams, max_tokens, threads
-        self.prompt = prompt_ids(model, prompt)
-        if len(self.prompt) + max_tokens > model.config.n_ctx:
-            raise ContextOverflowError(f"the prompt is {len(self.prompt)} tokens and max_tokens is {max_tokens}, "
-                                       f"past the model's context of {model.config.n_ctx}")
-        if pool is None:
-            per = -(-(len(self.prompt) + max_tokens) // page_size)
-            pool = KVPool.for_model(model, beams * (per + 1) + per, page_size=page_size, dtype=kv_dtype)
-        _check_pool(model, pool)
-        self.pool = pool
-        self.stop_ids = model.tokenizer.eot_ids
-        seq = pool.new_seq()
-        (logits,) = forward_batch(model, pool, [seq], [self.prompt], threads=threads)
-        self.live: list[Beam] = [Beam([], 0.0, seq=seq, logits=logits)]
-        self.finished: list[Beam] = []
-        self.steps = 0
-
-    @property
-    def done(self) -> bool:
-        if not self.live or self.steps >= self.max_tokens:
-            return True
-        if len(self.finished) < self.beams:
-            return False
-        # summed log-probabilities only fall: no live beam can beat the kept finished ones
-        kept = sorted(b.score for b in self.finished)[-self.beams]
-        return kept >= max(b.score for b in self.live)
-
-    def step(self) -> None:
-        """Extend the live beams by one token each (the best `beams` continuations overall)."""
-        if self.done:
-            return
-        cands = []
-        for bi, beam in enumerate(self.live):
-            lp = _log_softmax(beam.logits)
-            top = np.argpartition(-lp, min(2 * self.beams, len(lp) - 1))[:2 * self.beams]
-            cands.extend((beam.score + float(lp[t]), bi, int(t)) for t in top)
-        cands.sort(key=lambda c: (-c[0], c[1], c[2]))
-        chosen, used = [], set()
-        for rank, (score, bi, t) in enumerate(cands):
-            if len(chosen) == self.beams:
-                break
-            parent = self.live[bi]
-            if t in self.stop_ids:
-                if rank < self.beams:
-                    self.finished.append(Beam(parent.tokens, score, self._text(parent.tokens), True))
-                continue
-            seq = parent.seq if bi not in used else self.pool.fork(parent.seq)
-            used.add(bi)
-            chosen.append(Beam(parent.tokens + [t], score, seq=seq))
-        for bi, beam in enumerate(self.live):
-            if bi not in used:
-                self.pool.free(beam.seq)
-        self.steps += 1
-        if chosen:
-            logits = forward_batch(self.model, self.pool, [b.seq for b in chosen],
-                                   [[b.tokens[-1]] for b in chosen], threads=self.threads)
-            for b, lg in zip(chosen, logits):
-                b.logits = lg
-        self.live = chosen
-
-    def _text(self, tokens) -> str:
-        return self.model.tokenizer.decode(tokens, skip_special=True)
-
-    def results(self) -> list[Beam]:
-        """The best `beams` hypotheses, finished or not, best first (live beams keep their
-        sequences until `close()`)."""
-        out = list(self.finished)
-        for b in self.live:
-            b.text = self._text(b.tokens)
-            out.append(b)
-        out.sort(key=lambda b: -b.score)
-        return out[:self.beams]
-
-    def close(self) -> None:
-        """Free the live beams' pages."""
-        for b in self.live:
-            self.pool.free(b.seq)
-            b.seq = None
-
-
-def beam_search(model, prompt, *, beams: int = 4, max_tokens: int = 32, **options) -> list[Beam]:
-    """The `beams` best continuations of `prompt` by summed log-probability, best first; each
-    Beam has `text`, `tokens` (generated ids) and `score`."""
-    search = BeamSearch(model, prompt, beams=beams, max_tokens=max_tokens, **options)
-    try:
-        while not search.done:
-            search.step()
-        return search.results()
-    finally:
-        search.close()

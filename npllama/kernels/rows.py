@@ -8,17 +8,16 @@ products run at the FMA rate; with at most _FEW (3) rows, rows of the types with
 dot (all quantized types but the floats) are dotted straight from their blocks by the decode
 kernels' dots. Measured on 2 cores with SmolLM2-135M Q4_1, this beats the tiled-dequant +
 BLAS path (`quants.matmul`) at every T from 2 to 512: dequantizing whole weights into memory
-costs more than the BLAS products gain. `RowOps` is the block's pieces (npllama.block.Ops)
-computed by these kernels.
+costs more than the BLAS products gain. The batched path's `RowOps` (engine/batch.py) is
+the block's pieces computed by these kernels.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
-from . import block
 from .f16 import _half_bits_to_f32
-from .kernels import ACTS, _glu1, _rmsnorm_row, _rope_row
+from .nn import _glu1, _rmsnorm_row, _rope_row
 from .quants import _FAST, _Q4_0, _Q4_1, _Q8_0, _deq_row, _dot_row, _has_dot
 
 _FEW = 3          # up to this many rows, types with a direct dot dot the weight blocks directly
@@ -208,43 +207,4 @@ def matmul_rows(w, x: np.ndarray) -> np.ndarray:
         return w @ x
     out = np.empty((x.shape[0], w.rows), np.float32)
     _matmul_rows(int(w.qtype), w.data, x, out, 16)
-    return out
-
-
-class RowOps(block.Ops):
-    """The batched path's pieces: the row kernels of this module (one parallel region for
-    q/k/v, one for gate/up with the activation), serial per-token norms and RoPE."""
-
-    def __init__(self, cfg, attention):
-        super().__init__(cfg, _product_rows, attention)
-        self.eps = np.float32(cfg.rms_eps)
-        self.act = ACTS[cfg.act]
-
-    def norm(self, x, w):
-        x2 = x.reshape(-1, x.shape[-1])
-        out = np.empty_like(x2)
-        _rmsnorm_rows(x2, w, self.eps, out)
-        return out.reshape(x.shape)
-
-    def qkv(self, L, h):
-        T = h.shape[0]
-        q = np.empty((T, L.wq.rows), np.float32)
-        k = np.empty((T, L.wk.rows), np.float32)
-        v = np.empty((T, L.wv.rows), np.float32)
-        _qkv_rows(int(L.wq.qtype), L.wq.data, int(L.wk.qtype), L.wk.data, int(L.wv.qtype), L.wv.data, h, q, k, v, 16)
-        return q, k, v
-
-    def glu(self, gate, up, h):
-        out = np.empty((h.shape[0], gate.rows), np.float32)
-        _gate_up_rows(int(gate.qtype), gate.data, int(up.qtype), up.data, h, out, 16, self.act)
-        return out
-
-    def rope(self, x, positions, cos, sin):
-        _rope_rows(x, positions, cos, sin, self.cfg.rope_neox)
-
-
-def _product_rows(w, h):
-    """h @ w.T by the row kernels (h: T contiguous float32 rows)."""
-    out = np.empty((h.shape[0], w.rows), np.float32)
-    _matmul_rows(int(w.qtype), w.data, np.ascontiguousarray(h), out, 16)
     return out

@@ -19,14 +19,14 @@ from __future__ import annotations
 from collections import deque
 from typing import Sequence
 
-from .batch import _check_pool, forward_batch
+from ..engine.batch import _check_pool, forward_batch
 from .generate import (SAMPLING_KEYS, Completion, Token, _logprobs, _StopScanner, check_logprobs,
                        check_max_tokens, check_stop, fit_prompt, prompt_ids)
-from .kvpool import KVPool, PoolExhaustedError, PoolSeq
-from .progress import Progress
+from ..cache.kvpool import KVPool, PoolExhaustedError, PoolSeq
+from ..progress import Progress
 from .sampling import Sampler, SamplingParams, make_sampler
-from .session import check_ctx
-from .tokenizer import StreamDecoder
+from ..engine.session import check_ctx
+from ..text.tokenizer import StreamDecoder
 
 __all__ = ["Request", "Scheduler", "complete_many", "generate_many"]
 

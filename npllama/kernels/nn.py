@@ -11,7 +11,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from .errors import ContextOverflowError
+from ..errors import ContextOverflowError
 
 _FM = {"contract", "arcp", "nsz", "reassoc"}  # never nnan/ninf: infinities must survive
 

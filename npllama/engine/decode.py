@@ -23,13 +23,13 @@ import threading
 import numpy as np
 from numba import njit, prange
 
-from .attention import _BLOCK, _decode_chunk, _merge_chunks
-from .f16 import _st, bits
+from ..kernels.attention import _BLOCK, _decode_chunk, _merge_chunks
+from ..kernels.f16 import _st, bits
 from . import block
-from .kernels import ACTS, _glu_row, _rmsnorm_row, _rope_row
-from .quants import _block_sums, _deq_row, _rows_f32
-from .quants_int8 import _Q4_1, _Q4_1P, _has_i8, _pack_q4_1, _quantize_x_q8, _rows_i8
-from .workshare import _finish, _take, _wait, phase_size
+from ..kernels.nn import ACTS, _glu_row, _rmsnorm_row, _rope_row
+from ..kernels.quants import _block_sums, _deq_row, _rows_f32
+from ..kernels.quants_int8 import _Q4_1, _Q4_1P, _has_i8, _pack_q4_1, _quantize_x_q8, _rows_i8
+from ..kernels.workshare import _finish, _take, _wait, phase_size
 
 _MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the products of a layer, in order
 _STEPS = len(_MATRICES)

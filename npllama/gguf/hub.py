@@ -27,8 +27,8 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from .errors import ModelFetchError
-from .progress import Progress
+from ..errors import ModelFetchError
+from ..progress import Progress
 
 # pip's network bounds: seconds per connection attempt, retries (pip's own defaults, 15 s and 5
 # retries with back-off, make an unreachable registry take minutes to report), the whole download.

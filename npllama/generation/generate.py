@@ -13,9 +13,9 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .errors import ContextOverflowError
+from ..errors import ContextOverflowError
 from .sampling import GREEDY, Sampler, SamplingParams, make_sampler
-from .tokenizer import StreamDecoder
+from ..text.tokenizer import StreamDecoder
 
 
 @dataclass

@@ -21,9 +21,9 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUFValueType as VT
 from gguf import GGMLQuantizationType as QT
 
-from .arch import ARCHS, SUPPORTED_ARCHS, ModelConfig
-from .arch.base import Meta, read_key as _key
-from .errors import GGUFError
+from ..arch import ARCHS, SUPPORTED_ARCHS, ModelConfig
+from ..arch.base import Meta, read_key as _key
+from ..errors import GGUFError
 
 SUPPORTED_QTYPES = frozenset({
     QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,

@@ -11,7 +11,7 @@ import numpy as np
 
 from .generate import (SAMPLING_KEYS, Completion, check_max_tokens, complete, fit_prompt, prompt_ids,
                        stream as stream_text)
-from .progress import Progress
+from ..progress import Progress
 from .sampling import SamplingParams, make_sampler
 
 def complete_text(model, prompt, *, max_tokens: int = 256, stop: str | Sequence[str] = (), logprobs: int = 0,

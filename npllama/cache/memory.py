@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-from .errors import MemoryLimitError
+from ..errors import MemoryLimitError
 
 __all__ = ["available_bytes", "check_fits"]
 

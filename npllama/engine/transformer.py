@@ -1,0 +1,225 @@
+"""A transformer computed on GGUF weights, as its architecture describes it (npllama.arch):
+the llama family (SmolLM2, TinyLlama, Llama 2/3, Mistral, Qwen2), Gemma 3, Qwen 3, Qwen 3 MoE,
+SmolLM3 and Phi-3. The text API (npllama.generation) runs on it; `npllama.Model` is this class
+with that API as methods.
+
+`Transformer.forward(ids, pos, cache)` is the one place a single sequence's forward pass happens. It reads the position
+it is given only to check it against `cache.length`: the cache is the single owner of position
+state, and a `Session` (session.py) is the friendly way to drive it.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ..arch import ARCHS
+from ..arch.weights import Layer, QWeight, f32
+from ..cache.kvcache import KVCache
+from ..errors import GGUFError, PositionError
+from ..gguf.reader import GGUFFile, ModelConfig
+from ..kernels.attention import attend
+from ..kernels.nn import rmsnorm
+from ..kernels.rope import Ropes
+from ..kernels.rows import matmul_rows as mm  # x @ W.T reading each weight row once, for a few to a few hundred rows of x
+from ..kernels.threads import check_threads, physical_cores, using_threads
+from ..text.chat import validate_messages
+from . import block
+
+__all__ = ["Transformer", "Layer", "QWeight"]
+
+
+def _kv_dtype(kv_dtype, activations: str) -> np.dtype:
+    """The KV storage dtype asked for: float32 or float16; by default float16 with int8
+    activations (the fast mode, as llama.cpp stores its cache), float32 otherwise (exact)."""
+    if kv_dtype is None:
+        return np.dtype(np.float16 if activations == "int8" else np.float32)
+    try:
+        dtype = np.dtype(kv_dtype)
+    except TypeError:
+        dtype = None
+    if dtype not in (np.float32, np.float16):
+        raise ValueError(f"kv_dtype must be float32 or float16 (or None: float16 with int8 activations, "
+                         f"else float32), got {kv_dtype!r}")
+    return dtype
+
+
+PREFILL_CHUNK = 512  # tokens per forward chunk of a long prompt
+
+
+class Transformer:
+    """A loaded GGUF model: its weights, tokenizer and forward pass. Cheap to create: weights
+    stay memory-mapped until used.
+
+    Thread safety: the weights are read-only and every Session owns its own cache, so several
+    threads may each drive their own session (or call generate/score/...) on one Model at once;
+    their single-token decode steps take turns (they share the fused step's working memory).
+    A single Session must not be used from two threads at the same time.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, threads: int | None = None, activations: str = "f32",
+                 kv_dtype=None):
+        if activations not in ("f32", "int8"):
+            raise ValueError(f"activations must be 'f32' (exact, the default) or 'int8' (faster decode, "
+                             f"activations quantized per block as llama.cpp does), got {activations!r}")
+        self.activations = activations
+        self.kv_dtype = _kv_dtype(kv_dtype, activations)
+        self.file = GGUFFile(path)
+        self.path = self.file.path
+        self.config: ModelConfig = self.file.config
+        self.threads = check_threads(threads) or physical_cores()
+        cfg, t, opt = self.config, self.file.tensor, self.file.tensors.get
+        arch = ARCHS[cfg.arch]
+        self.layers = [arch.load_layer(cfg, t, opt, i) for i in range(cfg.n_layer)]
+        self.token_embd = QWeight.from_tensor(t("token_embd.weight"))
+        self.output_norm = f32(t("output_norm.weight"))
+        self.output = self.token_embd if cfg.tied_output else QWeight.from_tensor(t("output.weight"))
+        names = {n for r in cfg.ropes for n in (r.factors, r.long_factors) if n}
+        self.ropes = Ropes(cfg, {n: f32(t(n)) for n in names})
+        self._vocabulary = None  # checked now, so a broken vocabulary fails here, not at tokenize()
+        if "tokenizer.ggml.tokens" in self.file.metadata:
+            from ..text.tokenizer import check_metadata
+            try:
+                self._vocabulary = check_metadata(self.file.metadata)
+            except GGUFError as e:
+                raise GGUFError(f"{self.path}: {e}") from None
+        self._tokenizer = None
+        self._plan = None
+
+    # ---- text ---------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        """The model's tokenizer, built from the GGUF metadata on first use."""
+        if self._tokenizer is None:
+            from ..text.tokenizer import Tokenizer
+            if self._vocabulary is None:  # no vocabulary in the file: from_metadata says so
+                self._tokenizer = Tokenizer.from_metadata(self.file.metadata)
+            else:
+                self._tokenizer = Tokenizer.from_vocabulary(self._vocabulary)
+                self._vocabulary = None
+        return self._tokenizer
+
+    def tokenize(self, text: str, *, add_bos: bool | None = None, special: bool = False) -> list[int]:
+        """Token ids of `text` (BOS added as the model's metadata says unless `add_bos` is given)."""
+        return self.tokenizer.encode(text, add_bos=add_bos, special=special)
+
+    def detokenize(self, ids) -> str:
+        """The text of token ids."""
+        return self.tokenizer.decode(ids)
+
+    def format_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """`messages` rendered with the model's chat template, as HF's apply_chat_template does.
+        A model without one (a base model) raises ValueError: it has no chat format to follow."""
+        validate_messages(messages)
+        if self.tokenizer.chat_template is None:
+            raise ValueError(f"{os.path.basename(self.path)} has no chat template (tokenizer.chat_template): it is "
+                             f"a base model, not made for chat. Use generate()/complete() with a plain prompt "
+                             f"(`npllama run` sends the prompt as it is)")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+
+    # ---- inference ----------------------------------------------------------------------
+    def new_cache(self, capacity: int = 0) -> KVCache:
+        """An empty KV cache shaped for this model, storing `kv_dtype`."""
+        cfg = self.config
+        return KVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, capacity=capacity, dtype=self.kv_dtype)
+
+    def session(self, *, ctx: int | None = None, threads: int | None = None):
+        """A new inference session: one KV cache, and a position that is always its length."""
+        from .session import Session
+        return Session(self, ctx=ctx, threads=threads)
+
+    def check_ids(self, ids) -> np.ndarray:
+        """`ids` as a non-empty int64 array of valid token ids, or a ValueError saying what is wrong."""
+        if type(ids) is list and len(ids) == 1 and type(ids[0]) is int and 0 <= ids[0] < self.config.n_vocab:
+            return np.array(ids, np.int64)  # one decoded token: the common case, kept to one numpy call
+        arr = np.asarray(ids)
+        if arr.ndim == 0:
+            arr = arr.reshape(1)
+        if arr.ndim != 1 or arr.size == 0:
+            raise ValueError(f"token ids must be a non-empty 1-D sequence, got shape {arr.shape}")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+        bad = (arr < 0) | (arr >= self.config.n_vocab)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"token id {int(arr[i])} at index {i} is out of range: this model's "
+                             f"vocabulary has ids 0..{self.config.n_vocab - 1}")
+        return arr.astype(np.int64)
+
+    def forward(self, ids, pos: int, cache: KVCache, *, all_logits: bool = False,
+                output: str = "logits", threads: int | None = None) -> np.ndarray:
+        """Run `ids` at positions pos, pos+1, ... and append their keys and values to `cache`.
+
+        `pos` must equal `cache.length`. Returns float32 logits: (n_vocab,) for the last token,
+        or (len(ids), n_vocab) with `all_logits=True`; with `output="hidden"`, the final hidden
+        states after the output norm, (len(ids), n_embd). On any error the cache is left as it was.
+        """
+        if output not in ("logits", "hidden"):
+            raise ValueError(f"output must be 'logits' or 'hidden', got {output!r}")
+        ids = self.check_ids(ids)
+        if pos != cache.length:
+            raise PositionError(
+                f"position {pos} does not match the KV cache length {cache.length}: the next token "
+                f"must go at position {cache.length}. Pass pos=cache.length, or truncate/reset the "
+                f"cache first (a Session keeps the two together for you)")
+        self.check_cache(cache)
+        return self._run(ids, cache, all_logits, output, check_threads(threads) or self.threads)
+
+    def check_cache(self, cache: KVCache) -> None:
+        """Raise ValueError unless `cache` is shaped for this model."""
+        cfg = self.config
+        if (cache.n_layers, cache.n_kv_heads, cache.head_dim) != (cfg.n_layer, cfg.n_head_kv, cfg.head_dim):
+            raise ValueError(
+                f"the KV cache is shaped for (layers, kv heads, head dim) = "
+                f"{(cache.n_layers, cache.n_kv_heads, cache.head_dim)}, this model needs "
+                f"{(cfg.n_layer, cfg.n_head_kv, cfg.head_dim)}; make one with model.new_cache()")
+
+    def _run(self, ids: np.ndarray, cache: KVCache, all_logits: bool, output: str, threads: int) -> np.ndarray:
+        """`forward` for checked arguments (int64 ids, a cache shaped for this model) at
+        position cache.length. Kept short for one token: every line runs once per decoded
+        token, after the weights have flushed the CPU caches."""
+        pos = cache.length
+        self.ropes.check_range(pos, pos + len(ids))
+        # the fused decode step runs its own threads (mixtures of experts take the prefill path)
+        if len(ids) == 1 and output == "logits" and not self.config.n_expert:
+            if self._plan is None:
+                from .decode import DecodePlan
+                self._plan = DecodePlan(self, int8=self.activations == "int8")
+            try:
+                logits = self._plan.step(int(ids[0]), pos, cache, threads)
+            except BaseException:
+                cache.truncate(pos)
+                raise
+            return logits.reshape(1, -1) if all_logits else logits
+        with using_threads(threads):
+            try:
+                # room for the whole prompt at once: growing chunk by chunk would copy the
+                # filled cache at each doubling and hold the old and the new buffer together
+                cache.ensure_capacity(pos + len(ids))
+                positions = np.arange(pos, pos + len(ids), dtype=np.int64)
+                # long prompts run in chunks, which bounds the activations' memory
+                outs = [self._forward(ids[i:i + PREFILL_CHUNK], positions[i:i + PREFILL_CHUNK], cache,
+                                      all_logits, output, pos + len(ids))
+                        for i in range(0, len(ids), PREFILL_CHUNK)]
+                if output == "logits" and not all_logits:
+                    return outs[-1]
+                return outs[0] if len(outs) == 1 else np.concatenate(outs)
+            except BaseException:
+                cache.truncate(pos)
+                raise
+
+    def _forward(self, ids, positions, cache, all_logits, output, end):
+        cfg = self.config
+
+        def cached_attention(li, q, k, v, window):
+            cache.append(li, k, v)
+            return attend(q, cache.buffer(li), cache.layer_length(li), window=window, scale=cfg.attn_scale)
+
+        x = block.run_layers(self, block.embed(self, ids), positions, block.Ops(cfg, mm, cached_attention), end)
+        if output == "hidden":
+            return rmsnorm(x, self.output_norm, cfg.rms_eps)
+        if not all_logits:
+            x = x[-1:]
+        logits = mm(self.output, rmsnorm(x, self.output_norm, cfg.rms_eps))  # (S or 1, n_vocab)
+        block.softcap(logits, cfg.softcap)
+        return logits if all_logits else logits[0]

@@ -1,0 +1,1 @@
+"""GGUF files: reading and checking them, and where they come from."""

@@ -1,0 +1,1 @@
+"""Compiled kernels (Numba): quant formats and their products, norms, RoPE, attention."""

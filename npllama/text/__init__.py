@@ -1,0 +1,1 @@
+"""Text and token ids: the tokenizer built from GGUF metadata, and chat templates."""
