@@ -1,0 +1,56 @@
+"""Numba's cache is keyed by all of npllama's sources: an edit to a callee's file must not
+leave a caller's stale machine code in use."""
+import pathlib
+
+from numba.core.caching import FunctionCache
+
+from npllama.kernels import cachestamp, quants
+from npllama.engine import decode
+
+
+def locator_of(func):
+    return FunctionCache(func)._impl._locator
+
+
+def test_npllama_kernels_carry_the_package_stamp():
+    for kernel in (quants._block_sums, decode._decode_step):
+        loc = locator_of(kernel.py_func)
+        assert isinstance(loc, cachestamp._PackageStamp)
+        assert loc.get_source_stamp() == cachestamp.package_stamp()
+
+
+def test_functions_outside_npllama_keep_numbas_own_stamp():
+    def here(x):
+        return x + 1
+    loc = locator_of(here)
+    assert not isinstance(loc, cachestamp._PackageStamp)
+    assert loc.get_source_stamp() != cachestamp.package_stamp()
+
+
+def test_the_stamp_changes_with_any_file_and_only_then(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    jit = "from numba import njit\n"
+    (pkg / "caller.py").write_text(jit + "@njit\ndef f():\n    return g()\n")
+    (pkg / "sub" / "callee.py").write_text(jit + "@njit\ndef g():\n    return 1\n")
+    (pkg / "cli.py").write_text("print('no kernels here')\n")
+    (pkg / "notes.txt").write_text("not source")
+    first = cachestamp.package_stamp(pkg)
+    assert cachestamp.package_stamp(pkg) == first
+    (pkg / "notes.txt").write_text("still not source")
+    (pkg / "cli.py").write_text("print('still no kernels')\n")
+    assert cachestamp.package_stamp(pkg) == first
+    (pkg / "sub" / "callee.py").write_text(jit + "@njit\ndef g():\n    return 2\n")   # only the callee changes
+    second = cachestamp.package_stamp(pkg)
+    assert second != first
+    (pkg / "sub" / "new.py").write_text("import numba\n")
+    assert cachestamp.package_stamp(pkg) not in (first, second)
+
+
+def test_install_is_idempotent():
+    cachestamp.install()
+    cachestamp.install()
+    classes = cachestamp._numba("CacheImpl")._locator_classes
+    assert classes[:3] == cachestamp.LOCATORS
+    assert sum(isinstance(c, type) and issubclass(c, cachestamp._PackageStamp) for c in classes) == 3
+    assert pathlib.Path(cachestamp.__file__).resolve().is_relative_to(cachestamp.ROOT)
