@@ -20,9 +20,10 @@ from .sampling import SamplingParams, make_sampler
 from .session import Session
 
 __all__ = [
-    "BadRowError", "BatchPredictor", "ChatTemplateError", "Completion", "ContextOverflowError", "GGUFError", "GGUFFile", "KVCache", "KVPool",
-    "MemoryLimitError", "Model", "ModelConfig", "ModelFetchError", "PoolExhaustedError", "PoolSeq", "PositionError",
-    "SamplingParams", "Scheduler", "Session", "Token", "beam_search", "complete_many", "dequantize", "forward_batch",
-    "generate_many", "load", "make_sampler", "matmul", "pull",
+    "BadRowError", "BatchPredictor", "ChatTemplateError", "Completion", "ContextOverflowError", "GGUFError",
+    "GGUFFile", "KVCache", "KVPool", "MemoryLimitError", "Model", "ModelConfig", "ModelFetchError",
+    "PoolExhaustedError", "PoolSeq", "PositionError", "SamplingParams", "Scheduler", "Session", "Token",
+    "beam_search", "complete_many", "dequantize", "forward_batch", "generate_many", "load", "make_sampler",
+    "matmul", "pull",
 ]
 __version__ = "0.1.0"

@@ -38,7 +38,7 @@ from .threads import check_threads, threads_from_environment, using_threads
 __all__ = ["BatchPredictor", "process_stats"]
 
 OUTPUT_COLUMNS = {"generate": "generated_text", "chat": "generated_text", "embed": "embedding", "score": "logprob"}
-_NOT_IN_A_BATCH = ("stream", "session", "threads", "kv_dtype")  # generation keywords a batch cannot take
+_NOT_IN_A_BATCH = ("stream", "session")  # generation keywords that mean nothing for a batch
 
 _lock = threading.Lock()
 _models: dict[tuple, Model] = {}  # (path, activations, kv dtype, threads) -> the model this process loaded
@@ -89,8 +89,7 @@ class BatchPredictor:
             raise TypeError(f"task {task!r} takes no generation options, got {', '.join(sorted(options))}")
         for name in _NOT_IN_A_BATCH:
             if name in options:
-                raise TypeError(f"{name}= is not an option of a batch" +
-                                (" (pass it to BatchPredictor itself)" if name in ("threads", "kv_dtype") else ""))
+                raise TypeError(f"{name}= is not an option of a batch: each row's text is returned whole")
         # what can be checked here is, so that a mistake fails in the driver, not in every worker
         SamplingParams(**{k: v for k, v in options.items() if k in SAMPLING_KEYS})
         if "max_tokens" in options:

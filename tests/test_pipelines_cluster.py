@@ -151,10 +151,10 @@ def test_dask_map_partitions(dask_client, tiny_model_path, rows, expected):
     for p in predictors:  # Dask ships instances that were already used in the driver
         used = p(used)
     ddf = dd.from_pandas(rows.sample(frac=1, random_state=0), npartitions=4)
-    meta = ddf._meta
+    meta = ddf.dtypes.to_dict()
     for p, column, dtype in zip(predictors, ["generated_text", "chat", "embedding", "logprob"],
                                 [object, object, object, np.float64]):
-        meta = meta.assign(**{column: pd.Series(dtype=dtype)})
+        meta = {**meta, column: dtype}  # as the README has it
         ddf = ddf.map_partitions(p, meta=meta)
     out = ddf.compute().sort_values("id")
     check_equal(out, expected)
