@@ -150,6 +150,8 @@ def main():
                 expected[job] = out[col].tolist()
             elif job == "generate" and out[col].tolist() != expected[job]:
                 print(f"  {way}: results differ from the first way's!")
+            elif job != "generate" and not np.allclose(np.stack(out[col].tolist()), np.stack(expected[job]), atol=1e-5):
+                print(f"  {way}: embeddings differ from the first way's by more than 1e-5!")
             warm = report(way, job, out, wall, startup, t, single)
             single = warm if way == "single" else single
     if "dask_client" in state:
