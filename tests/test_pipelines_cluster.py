@@ -2,7 +2,8 @@
 pool of 2 actors with num_cpus=1) and Dask (a LocalCluster of 2 worker processes, 1 thread
 each). Each result equals the single-process run on the same rows, each worker process loads
 the model once, workers × threads stay within the CPUs given, and a bad row fails the job
-with an error naming it. One Ray cluster per test session, one Dask cluster per module."""
+with an error naming it. One Ray and one Dask cluster per test session (module fixtures: no
+other module uses them), shut down at the module's end."""
 import contextlib
 import logging
 import os
@@ -66,8 +67,10 @@ def cluster_env():
         os.environ.update(saved)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_data():
+    """The test session's one Ray cluster (only this module uses Ray), shut down after the
+    module so that its processes do not linger through the rest of the suite."""
     with cluster_env():
         ray.init(num_cpus=CPUS, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Probe, for the actors
