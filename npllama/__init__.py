@@ -4,8 +4,8 @@
     model = npllama.load()                      # SmolLM2-135M-Instruct Q4_1 unless told otherwise
     print(model.chat([{"role": "user", "content": "Hi!"}], max_tokens=64))
 """
-from .errors import (ChatTemplateError, ContextOverflowError, GGUFError, MemoryLimitError, ModelFetchError,
-                     PositionError)
+from .errors import (BadRowError, ChatTemplateError, ContextOverflowError, GGUFError, MemoryLimitError,
+                     ModelFetchError, PositionError)
 from .kernels.quants import dequantize, matmul
 from .cache.kvcache import KVCache
 from .cache.kvpool import KVPool, PoolExhaustedError, PoolSeq
@@ -18,11 +18,13 @@ from .generation.generate import Completion, Token
 from .generation.scheduler import Scheduler, complete_many, generate_many
 from .generation.beam import beam_search
 from .model import Model, load
+from .predictor import BatchPredictor
 
 __all__ = [
-    "ChatTemplateError", "Completion", "ContextOverflowError", "GGUFError", "GGUFFile", "KVCache", "KVPool",
-    "MemoryLimitError", "Model", "ModelConfig", "ModelFetchError", "PoolExhaustedError", "PoolSeq", "PositionError",
-    "SamplingParams", "Scheduler", "Session", "Token", "beam_search", "complete_many", "dequantize", "forward_batch",
-    "generate_many", "load", "make_sampler", "matmul", "pull",
+    "BadRowError", "BatchPredictor", "ChatTemplateError", "Completion", "ContextOverflowError", "GGUFError",
+    "GGUFFile", "KVCache", "KVPool", "MemoryLimitError", "Model", "ModelConfig", "ModelFetchError",
+    "PoolExhaustedError", "PoolSeq", "PositionError", "SamplingParams", "Scheduler", "Session", "Token",
+    "beam_search", "complete_many", "dequantize", "forward_batch", "generate_many", "load", "make_sampler",
+    "matmul", "pull",
 ]
 __version__ = "0.1.0"

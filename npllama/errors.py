@@ -26,3 +26,16 @@ class ChatTemplateError(ValueError):
 class MemoryLimitError(ValueError):
     """An allocation (a context's KV cache, a KV pool) would not fit in the memory available; it
     was refused before it was tried, with the bytes needed and available."""
+
+
+class BadRowError(ValueError):
+    """A row of a batch given to `BatchPredictor` cannot be processed (an empty or non-string
+    prompt, one past the context...). The message names the row (its position in the batch,
+    and its index label for a DataFrame) and what was wrong; `row` is that position."""
+
+    def __init__(self, message: str, row: int | None = None):
+        super().__init__(message)
+        self.row = row
+
+    def __reduce__(self):  # pickles with its row (Dask and Ray send errors back to the driver)
+        return type(self), (self.args[0], self.row)

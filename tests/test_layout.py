@@ -17,7 +17,7 @@ LAYERS = [
     {"engine"},
     {"generation"},
     {"model"},
-    {"bench", "cli"},
+    {"bench", "cli", "predictor"},
     {"__init__", "__main__"},
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}

@@ -31,6 +31,25 @@ def check_threads(n: int | None) -> int | None:
     return n
 
 
+def threads_from_environment(threads: int | None = None) -> int:
+    """The thread count for a worker in a data pipeline: `threads` if given, else
+    $NPLLAMA_NUM_THREADS, else $OMP_NUM_THREADS (Ray sets it from a task's num_cpus, the Dask
+    nanny to 1), else the physical cores of this process's CPU affinity. A variable's count is
+    capped at the threads Numba has; a variable that is not a positive integer is an error."""
+    if threads is not None:
+        return check_threads(threads)
+    for name in ("NPLLAMA_NUM_THREADS", "OMP_NUM_THREADS"):
+        value = os.environ.get(name, "").strip()
+        if not value:
+            continue
+        first = value.split(",")[0].strip()  # OpenMP allows a list, one count per nesting level
+        if not first.isdigit() or int(first) < 1:
+            raise ValueError(f"${name} must be a positive integer (a thread count), got {value!r}; "
+                             f"fix or unset it, or pass threads=")
+        return min(int(first), numba.config.NUMBA_NUM_THREADS)
+    return physical_cores()
+
+
 @contextlib.contextmanager
 def using_threads(n: int):
     """Run the body with `n` Numba threads, restoring the previous count afterwards."""
