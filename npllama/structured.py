@@ -15,14 +15,16 @@ What a constraint means:
   the schema (Draft 2020-12, as llguidance implements it; object properties come in the
   schema's order). A keyword llguidance cannot enforce (`uniqueItems`, `contains`, `not`...) is
   an error, never silently dropped. So that a small schema always ends within a modest
-  `max_tokens`, whitespace between JSON tokens is at most `WHITESPACE_MAX` characters at each
-  place, integers without bounds lie within +-(2**53 - 1) (the range JSON numbers are exact in
-  every implementation), and numbers without a `multipleOf` are written without an exponent and
-  with at most `FRACTION_DIGITS` decimals (and within the same range). A schema's own top-level
-  ``"x-guidance"`` options (llguidance's) override the whitespace rule.
-* `regex` (Python `re` syntax): the whole output matches it (as `re.fullmatch`). Python syntax
-  that llguidance's regex engine lacks (look-around, backreferences, `\\b`, `\\Z`, `{,n}`) is an
-  error.
+  `max_tokens`, whitespace between JSON tokens is at most one space or tab, or one newline and
+  up to `INDENT_MAX` spaces or tabs of indentation, at each place; integers without bounds lie within
+  +-(2**53 - 1) (where JSON numbers are exact in every implementation); numbers without a
+  `multipleOf` are written without an exponent, with at most `FRACTION_DIGITS` decimals, in the
+  same range. A schema's own top-level ``"x-guidance"`` options (llguidance's) override the
+  whitespace rule.
+* `regex` (Python `re` syntax): the whole output matches it (as `re.fullmatch`). `\\d` takes
+  ASCII digits only (unless the pattern has `\\D` or a negated class), a subset of Python's.
+  Python syntax that llguidance's regex engine lacks (look-around, backreferences, `\\b`, `\\Z`,
+  `{,n}`) is an error.
 * `grammar`: llguidance's Lark-like grammar text (https://github.com/guidance-ai/llguidance,
   docs/syntax.md); the whole output is a sentence of its `start` rule.
 """
@@ -40,8 +42,8 @@ import numpy as np
 __all__ = ["Constraint", "Matcher", "constraint", "CONSTRAINT_KEYS"]
 
 CONSTRAINT_KEYS = ("json_schema", "regex", "grammar")  # the generation keywords that constrain output
-WHITESPACE_MAX = 20
-WHITESPACE = r"[\x20\x0A\x0D\x09]{1,%d}" % WHITESPACE_MAX
+INDENT_MAX = 20
+WHITESPACE = r"(?:[\x20\x09]|\x0D?\x0A[\x20\x09]{0,%d})" % INDENT_MAX  # a space, or a newline and indentation
 INT_LIMIT = 2**53 - 1
 FRACTION_DIGITS = 10  # llguidance's multipleOf takes at most 1e-10
 CACHE_SIZE = 64  # compiled constraints kept per vocabulary
@@ -74,7 +76,7 @@ class _Tokens:
     def __call__(self, text) -> list[int]:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
-        return self._tok.encode(text, add_bos=False)
+        return self._tok.encode_inner(text)
 
 
 class _Vocab:
@@ -104,7 +106,7 @@ def _vocab(model) -> _Vocab:
 
 def _bound_numbers(schema):
     """`schema` with digit runs bounded: each number or integer subschema without an enum or
-    const gets the bounds it lacks (+-INT_LIMIT), and each number one without multipleOf gets
+    const gets the bounds it lacks (+-INT_LIMIT, where its other bound allows), and each number one without multipleOf gets
     multipleOf 10**-FRACTION_DIGITS. Values are only ever narrowed: what conforms to the result
     conforms to `schema`. Walks only the keywords that hold subschemas (not enum/const data)."""
     if isinstance(schema, list):
@@ -130,10 +132,10 @@ def _bound_numbers(schema):
 
     lo = num("minimum") if num("minimum") is not None else num("exclusiveMinimum")
     hi = num("maximum") if num("maximum") is not None else num("exclusiveMaximum")
-    if "minimum" not in out and "exclusiveMinimum" not in out:
-        out["minimum"] = -INT_LIMIT if hi is None else min(-INT_LIMIT, 2 * hi)
-    if "maximum" not in out and "exclusiveMaximum" not in out:
-        out["maximum"] = INT_LIMIT if lo is None else max(INT_LIMIT, 2 * lo)
+    if "minimum" not in out and "exclusiveMinimum" not in out and (hi is None or hi >= -INT_LIMIT):
+        out["minimum"] = -INT_LIMIT
+    if "maximum" not in out and "exclusiveMaximum" not in out and (lo is None or lo <= INT_LIMIT):
+        out["maximum"] = INT_LIMIT
     if "number" in types and "multipleOf" not in out:
         out["multipleOf"] = float(f"1e-{FRACTION_DIGITS}")
     return out
@@ -171,7 +173,18 @@ def _regex_grammar(llg, regex: str) -> str:
         re.compile(regex)
     except re.error as e:
         raise ValueError(f"regex {_show(regex)} is not a valid regular expression: {e}") from None
+    if "\\D" not in regex and "[^" not in regex:
+        # \d as ASCII digits: Python's \d also takes other scripts' digits (a model may start one
+        # with a byte token and be forced to finish it); only where that narrows the pattern
+        regex = llg.regex_to_lark(regex, "d")
     return llg.LLMatcher.grammar_from_regex(regex)
+
+
+def _one_line(message: str) -> str:
+    """An llguidance message on one line: its "error: ..." lines, else its first line."""
+    lines = [ln.strip() for ln in message.strip().splitlines()]
+    errors = [ln[len("error:"):].strip() for ln in lines if ln.startswith("error:")]
+    return "; ".join(errors) if errors else lines[0] if lines else message
 
 
 _WHAT = {"json_schema": "json_schema", "regex": "regex", "grammar": "grammar (llguidance Lark format)"}
@@ -203,15 +216,22 @@ def constraint(model, *, json_schema=None, regex=None, grammar=None) -> "Constra
             vocab.compiled.move_to_end((kind, key))
             return Constraint(vocab, kind, template)
     if kind == "json_schema":
-        text = llg.LLMatcher.grammar_from_json_schema(_bound_numbers(value),
-                                                     defaults={"whitespace_pattern": WHITESPACE})
+        try:
+            own = value.get("x-guidance")
+            own = own if isinstance(own, dict) else {}
+            text = llg.LLMatcher.grammar_from_json_schema(
+                json.dumps(_bound_numbers(value)),
+                defaults=None if {"whitespace_flexible", "whitespace_pattern"} & set(own) else
+                {"whitespace_pattern": WHITESPACE})
+        except ValueError as e:
+            raise ValueError(f"invalid json_schema: {_one_line(str(e))}") from None
     elif kind == "regex":
         text = _regex_grammar(llg, value)
     else:
         text = llg.LLMatcher.grammar_from_lark(value)
     is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(text, vocab.llt)
     if messages:
-        msg = "; ".join(m.strip() for m in messages)
+        msg = "; ".join(_one_line(m) for m in messages)
         unsupported = "Unimplemented" in msg or "not supported" in msg or not is_error
         if unsupported:
             msg += (" (npllama constrains output with llguidance, which cannot enforce this; change the "
@@ -220,7 +240,7 @@ def constraint(model, *, json_schema=None, regex=None, grammar=None) -> "Constra
         raise ValueError(f"{'unsupported' if unsupported else 'invalid'} {_WHAT[kind]}{shown}: {msg}")
     template = llg.LLMatcher(vocab.llt, text, log_level=0)
     if template.is_error():
-        raise ValueError(f"invalid {_WHAT[kind]}: {template.get_error()}")
+        raise ValueError(f"invalid {_WHAT[kind]}: {_one_line(template.get_error())}")
     with vocab.lock:
         vocab.compiled[(kind, key)] = template
         while len(vocab.compiled) > CACHE_SIZE:
