@@ -106,9 +106,10 @@ def _vocab(model) -> _Vocab:
 
 def _bound_numbers(schema):
     """`schema` with digit runs bounded: each number or integer subschema without an enum or
-    const gets the bounds it lacks (+-INT_LIMIT, where its other bound allows), and each number one without multipleOf gets
-    multipleOf 10**-FRACTION_DIGITS. Values are only ever narrowed: what conforms to the result
-    conforms to `schema`. Walks only the keywords that hold subschemas (not enum/const data)."""
+    const gets the bounds it lacks (+-INT_LIMIT, where its other bound allows), and each number
+    one without multipleOf gets multipleOf 10**-FRACTION_DIGITS. Values are only ever narrowed:
+    what conforms to the result conforms to `schema`. Walks only the keywords that hold
+    subschemas (not enum/const data)."""
     if isinstance(schema, list):
         return [_bound_numbers(s) for s in schema]
     if not isinstance(schema, dict):
@@ -123,7 +124,8 @@ def _bound_numbers(schema):
             out[key] = value
     types = out.get("type")
     types = [types] if isinstance(types, str) else types if isinstance(types, list) else []
-    if not {"integer", "number"} & set(types) or "enum" in out or "const" in out:
+    types = {t for t in types if isinstance(t, str)}  # anything else is left for llguidance to refuse
+    if not {"integer", "number"} & types or "enum" in out or "const" in out:
         return out
 
     def num(key):
@@ -193,8 +195,7 @@ _WHAT = {"json_schema": "json_schema", "regex": "regex", "grammar": "grammar (ll
 def constraint(model, *, json_schema=None, regex=None, grammar=None) -> "Constraint | None":
     """The compiled constraint for `model` (None when none is given); ValueError for more than
     one, or for a schema, regex or grammar that is invalid or that llguidance cannot enforce."""
-    given = {k: v for k, v in (("json_schema", json_schema), ("regex", regex), ("grammar", grammar))
-             if v is not None}
+    given = {k: v for k, v in zip(CONSTRAINT_KEYS, (json_schema, regex, grammar)) if v is not None}
     if not given:
         return None
     if len(given) > 1:
