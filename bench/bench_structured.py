@@ -10,7 +10,9 @@ times the llguidance mask (`Matcher.allowed`) and its application to float32 log
 GGUF (default: the default model and Gemma 3 270M when cached). Speed: greedy decode of the
 same chat prompt, unconstrained and with the schema, `--tokens` tokens each (the constrained
 run's length decides; the unconstrained one is cut to it), best of `--rounds`, compiled
-schema cached; tokens/s counts decode only (prefill excluded).
+schema cached; tokens/s counts decode only (prefill excluded). `mask_share_of_step` is the
+median mask step over the constrained decode step: the most that computing the mask while the
+model computes the next logits could save.
 """
 from __future__ import annotations
 
@@ -80,7 +82,7 @@ def mask_cost(path: str) -> dict:
             allowed_s.append(b - a)
             apply_s.append(c - b)
             step_s.append(d - a)
-    ms = lambda xs: round(1e3 * float(np.median(xs)), 4)  # noqa: E731
+    ms = lambda xs: round(1e3 * float(np.median(xs)), 4)
     return {"vocab": shape.config.n_vocab, "model": os.path.basename(path), "tokens": len(ids),
             "tokenizer_load_s": round(t1 - t0, 2), "first_compile_s": round(t2 - t1, 3),
             "cached_compile_ms": round(1e3 * (t3 - t2), 3), "mask_ms": ms(allowed_s), "apply_ms": ms(apply_s),
@@ -89,8 +91,8 @@ def mask_cost(path: str) -> dict:
 
 def decode_speed(model_path: str, threads: int, tokens: int, rounds: int) -> dict:
     import npllama
-    from npllama.sampling import GREEDY, make_sampler
     from npllama.generate import generate_tokens
+    from npllama.sampling import GREEDY, make_sampler
     from npllama.structured import constraint
     model = npllama.load(model_path, threads=threads)
     ids = model.tokenize(model.format_chat([{"role": "user", "content": PROMPT}]), special=True)
@@ -136,10 +138,14 @@ def main() -> None:
     if vocabs is None:
         gemma = os.path.expanduser("~/.cache/npllama/gemma-3-270m-q4_k_m.gguf")
         vocabs = [model] + ([gemma] if os.path.exists(gemma) else [])
-    for path in vocabs:
-        print(json.dumps({"mask": mask_cost(path)}), flush=True)
+    masks = [mask_cost(path) for path in vocabs]
+    for m in masks:
+        print(json.dumps({"mask": m}), flush=True)
     if not args.mask_only:
-        print(json.dumps({"decode": decode_speed(model, args.threads, args.tokens, args.rounds)}), flush=True)
+        d = decode_speed(model, args.threads, args.tokens, args.rounds)
+        # what computing the mask during the next forward pass could save at most, per token
+        d["mask_share_of_step"] = round(masks[0]["step_ms"] * d["constrained_tok_s"] / 1e3, 5) if masks else None
+        print(json.dumps({"decode": d}), flush=True)
 
 
 if __name__ == "__main__":
