@@ -315,3 +315,15 @@ def test_default_model_regex_boundaries_and_stops(default_model):
     assert re.fullmatch(r"SELECT [a-z]{1,8}(, [a-z]{1,8})* FROM (users|orders)", c.text), c.text
     c = m.complete(chat, json_schema=PEOPLE, max_tokens=8, temperature=0)
     assert c.finish_reason == "length" and c.incomplete
+
+
+def test_regex_digits_and_inner_encoding(tiny):
+    # \d is narrowed to ASCII digits (Python's \d also takes other scripts' digits) unless that
+    # would widen the pattern (\D, negated classes)
+    assert constraint(tiny, regex=r"\d+").accepts("42") and not constraint(tiny, regex=r"\d+").accepts("٤٢")
+    for rx, yes, no in [(r"\D", "x", "٤"), (r"[^\d]", "x", "٤"), (r"[^\d]\d", "x4", "٤4")]:
+        assert re.fullmatch(rx, yes) and not re.fullmatch(rx, no)  # Python's meaning: "٤" is a digit
+        assert constraint(tiny, regex=rx).accepts(yes) and not constraint(tiny, regex=rx).accepts(no)
+    tok = tiny.tokenizer
+    for text in ["{", "hello world", " two  spaces", "é😀"]:  # pieces of output: no space prefix, no BOS
+        assert b"".join(tok.id_to_bytes(i) for i in tok.encode_inner(text)) == text.encode()
