@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     shape = p.add_mutually_exclusive_group()
-    shape.add_argument("--json-schema", metavar="FILE", help="constrain the output to JSON valid under this JSON Schema")
+    shape.add_argument("--json-schema", metavar="FILE", help="constrain the output to JSON valid under this schema")
     shape.add_argument("--regex", metavar="PATTERN", help="constrain the whole output to match this regular expression")
     shape.add_argument("--grammar", metavar="FILE", help="constrain the output to this llguidance Lark grammar")
     _add_generation_flags(p)

@@ -36,7 +36,7 @@ class Completion:
     generation."""
     text: str
     tokens: list[Token] = field(default_factory=list)
-    finish_reason: str = "length"  # "stop" (EOS, end of turn, a stop string or a complete constrained output) or "length"
+    finish_reason: str = "length"  # "stop" (EOS, end of turn, a stop string, a constraint complete) or "length"
     prompt_tokens: int = 0
     incomplete: bool = False
 
