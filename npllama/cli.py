@@ -73,6 +73,7 @@ def _sampling_kwargs(args) -> dict:
 
 
 def cmd_run(args) -> int:
+    constrain = _constraint_kwargs(args)  # a missing file fails before the model loads
     model = _load(args)
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     if not prompt.strip():
@@ -83,12 +84,35 @@ def cmd_run(args) -> int:
         print("npllama: this model has no chat template (a base model): the prompt is sent as it is",
               file=sys.stderr)
     ids = model.tokenize(prompt, special=not args.raw)
+    if constrain:  # a constrained output is printed whole, and refused (exit 1) when cut short
+        c = model.complete(ids, max_tokens=args.max_tokens, ctx=args.ctx, stop=args.stop or (),
+                           **constrain, **_sampling_kwargs(args))
+        print(c.text)
+        if c.incomplete:
+            cut = f"at --max-tokens {args.max_tokens}" if c.finish_reason == "length" else "by a stop string"
+            print(f"npllama: error: the output was cut short {cut} before it satisfied the constraint",
+                  file=sys.stderr)
+            return 1
+        return 0
     pieces = model.generate(ids, max_tokens=args.max_tokens, stream=True, ctx=args.ctx, stop=args.stop or (),
                             **_sampling_kwargs(args))
     for piece in pieces:
         print(piece, end="", flush=True)
     print()
     return 0
+
+
+def _constraint_kwargs(args) -> dict:
+    """json_schema / regex / grammar for `run`, read from the files its flags name."""
+    out = {}
+    for key in ("json_schema", "grammar"):
+        path = getattr(args, key)
+        if path is not None:
+            with open(path, encoding="utf-8") as f:
+                out[key] = f.read()
+    if args.regex is not None:
+        out["regex"] = args.regex
+    return out
 
 
 def cmd_chat(args) -> int:
@@ -164,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="?", help="the prompt (default: standard input)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE", help="constrain the output to JSON valid under this schema")
+    shape.add_argument("--regex", metavar="PATTERN", help="constrain the whole output to match this regular expression")
+    shape.add_argument("--grammar", metavar="FILE", help="constrain the output to this llguidance Lark grammar")
     _add_generation_flags(p)
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("chat", help="interactive chat with streaming replies (/reset, /exit)")

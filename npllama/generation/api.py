@@ -13,44 +13,55 @@ from .generate import (SAMPLING_KEYS, Completion, check_max_tokens, complete, fi
                        stream as stream_text)
 from ..progress import Progress
 from .sampling import SamplingParams, make_sampler
+from .structured import constraint as make_constraint
 
 def complete_text(model, prompt, *, max_tokens: int = 256, stop: str | Sequence[str] = (), logprobs: int = 0,
                   truncate: bool = False, ctx: int | None = None, session=None,
-                  sampling: SamplingParams | None = None, **sampling_options) -> Completion:
+                  sampling: SamplingParams | None = None, json_schema=None, regex: str | None = None,
+                  grammar: str | None = None, **sampling_options) -> Completion:
     """Generate a continuation of `prompt` and return a Completion (text, tokens, finish reason).
 
     Sampling keywords (temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
     presence_penalty, frequency_penalty, logit_bias, seed) override `sampling`, whose defaults
     are llama.cpp's. `truncate=True` keeps the tail of a prompt that would not fit the context.
     `session` continues an existing session instead of starting a new one.
+
+    Structured output (at most one; see `npllama.structured`): `json_schema` (a dict or a JSON
+    string), `regex` (Python syntax, matching the whole output) or `grammar` (llguidance's Lark
+    format). The output then conforms whatever the sampling settings, generation stops when it
+    is complete, and `Completion.incomplete` says when max_tokens (or a stop string) cut it short.
     """
     return _run(model, prompt, complete, max_tokens, stop, logprobs, truncate, ctx, session, sampling,
-                sampling_options)
+                sampling_options, dict(json_schema=json_schema, regex=regex, grammar=grammar))
 
 
 def generate(model, prompt, *, max_tokens: int = 256, stream: bool = False, stop: str | Sequence[str] = (),
              logprobs: int = 0, truncate: bool = False, ctx: int | None = None, session=None,
-             sampling: SamplingParams | None = None, **sampling_options) -> str | Iterator[str]:
+             sampling: SamplingParams | None = None, json_schema=None, regex: str | None = None,
+             grammar: str | None = None, **sampling_options) -> str | Iterator[str]:
     """The text generated after `prompt`; with `stream=True`, an iterator of text pieces.
     The options are those of `complete`."""
+    constrain = dict(json_schema=json_schema, regex=regex, grammar=grammar)
     if stream:
         return _run(model, prompt, stream_text, max_tokens, stop, logprobs, truncate, ctx, session, sampling,
-                    sampling_options)
+                    sampling_options, constrain)
     return _run(model, prompt, complete, max_tokens, stop, logprobs, truncate, ctx, session, sampling,
-                sampling_options).text
+                sampling_options, constrain).text
 
 
-def _run(model, prompt, runner, max_tokens, stop, logprobs, truncate, ctx, session, sampling, options):
+def _run(model, prompt, runner, max_tokens, stop, logprobs, truncate, ctx, session, sampling, options, constrain):
     unknown = set(options) - SAMPLING_KEYS
     if unknown:
         raise TypeError(f"unexpected keyword arguments: {', '.join(sorted(unknown))}")
     params = SamplingParams(**{**(sampling or SamplingParams()).__dict__, **options})
     check_max_tokens(max_tokens)
+    rule = make_constraint(model, **constrain)
     session = session if session is not None else model.session(ctx=ctx)
     room = session.ctx - session.pos
     ids = fit_prompt(prompt_ids(model, prompt, None if truncate else room - max_tokens), room, max_tokens, truncate)
     return runner(session, ids, max_tokens=max_tokens, sampler=make_sampler(params),
-                  stop=[stop] if isinstance(stop, str) else stop, logprobs=logprobs)
+                  stop=[stop] if isinstance(stop, str) else stop, logprobs=logprobs,
+                  matcher=rule.matcher() if rule is not None else None)
 
 
 def chat(model, messages: list[dict], **options) -> str | Iterator[str]:

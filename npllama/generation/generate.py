@@ -29,10 +29,16 @@ class Token:
 
 @dataclass
 class Completion:
+    """A generated text. `incomplete` is True when the output was constrained (json_schema, regex
+    or grammar) and generation ended before the text satisfied the constraint: max_tokens or
+    the context cut it short ("length"), or a stop string did. Such a text is the start of a
+    conforming output and will not parse. It is False otherwise, and always for unconstrained
+    generation."""
     text: str
     tokens: list[Token] = field(default_factory=list)
-    finish_reason: str = "length"  # "stop" (EOS, end of turn or a stop string) or "length"
+    finish_reason: str = "length"  # "stop" (EOS, end of turn, a stop string, a constraint complete) or "length"
     prompt_tokens: int = 0
+    incomplete: bool = False
 
 
 class _StopScanner:
@@ -135,12 +141,17 @@ def fit_prompt(ids: list[int], ctx: int, max_tokens: int, truncate: bool) -> lis
 
 def generate_tokens(session, prompt_ids: Sequence[int], *, max_tokens: int = 256,
                     sampler: Sampler | None = None, stop: Sequence[str] = (),
-                    stop_ids: set[int] | None = None, logprobs: int = 0) -> Iterator[Token]:
+                    stop_ids: set[int] | None = None, logprobs: int = 0, matcher=None) -> Iterator[Token]:
     """Feed `prompt_ids` to `session`, then sample up to `max_tokens` tokens, yielding each as a
     Token whose `text` is what became safe to show (possibly ""). Generation ends at a stop id
     (default: EOS and end-of-turn ids), at a stop string (not emitted), or at `max_tokens`.
     The generator returns `(finish_reason, tail)`: "stop" or "length", and the text that was
     held back (a possible start of a stop string that never completed).
+
+    `matcher` (a `structured.Matcher`, from `Constraint.matcher()`) constrains the output: each
+    token is sampled from the logits it masks, EOS/end-of-turn only where the output may end,
+    and generation stops ("stop") as soon as the output is complete. When generation ends, the
+    matcher's `conforms` says whether the returned text satisfies the constraint.
 
     The arguments are checked when it is called, before any token: ValueError for an empty
     prompt, a `max_tokens` or `logprobs` that is not a non-negative integer, or a `stop` that is
@@ -151,31 +162,47 @@ def generate_tokens(session, prompt_ids: Sequence[int], *, max_tokens: int = 256
     if not len(prompt_ids):
         raise ValueError("the prompt is empty: give at least one token to generate from")
     return _generate(session, prompt_ids, max_tokens, sampler or make_sampler(GREEDY), scanner, stop_ids,
-                     logprobs)
+                     logprobs, matcher)
 
 
-def _generate(session, prompt_ids, max_tokens, sampler, scanner, stop_ids, logprobs):
+def _generate(session, prompt_ids, max_tokens, sampler, scanner, stop_ids, logprobs, matcher=None):
     tok = session.model.tokenizer
     stop_ids = tok.eot_ids if stop_ids is None else stop_ids
     decoder = StreamDecoder(tok, skip_special=True)
     history = list(session.tokens) + list(prompt_ids)
-    if max_tokens == 0:
-        return "length", ""
+    shown = [] if matcher is not None else None  # the text so far, to check it when a stop string cuts it
+    if max_tokens == 0 or matcher is not None and matcher.done:
+        if matcher is not None:
+            matcher.conforms = matcher.accepting
+        return ("stop" if max_tokens and matcher is not None else "length"), ""
     logits = session.feed(prompt_ids)
     reason = "length"
     for n in range(max_tokens):
+        if matcher is not None:
+            logits = matcher.mask(logits)
         tid = sampler(logits, history)
         if tid in stop_ids:
             reason = "stop"
             break
+        if matcher is not None:
+            matcher.consume(tid)
         history.append(tid)
         text, stopped = scanner.push(decoder.feed(tid))
         yield Token(tid, text, *(_logprobs(logits, tid, logprobs) if logprobs else ()))
         if stopped:
+            if matcher is not None:
+                matcher.conforms = matcher.constraint.accepts("".join(shown) + text)
             return "stop", ""
+        if shown is not None:
+            shown.append(text)
+        if matcher is not None and matcher.done:
+            reason = "stop"
+            break
         if n + 1 == max_tokens or session.pos >= session.ctx:
             break
         logits = session.feed([tid])
+    if matcher is not None:
+        matcher.conforms = matcher.accepting
     tail, _ = scanner.push(decoder.flush())
     return reason, tail + scanner.flush()
 
@@ -188,7 +215,8 @@ def _logprobs(logits: np.ndarray, tid: int, n: int):
 
 
 def complete(session, prompt_ids: Sequence[int], **kw) -> Completion:
-    """Run `generate_tokens` to the end and collect the text, tokens and finish reason."""
+    """Run `generate_tokens` to the end and collect the text, tokens, finish reason and (for a
+    constrained output, with `matcher`) whether it is incomplete."""
     gen = generate_tokens(session, prompt_ids, **kw)
     tokens: list[Token] = []
     try:
@@ -196,7 +224,9 @@ def complete(session, prompt_ids: Sequence[int], **kw) -> Completion:
             tokens.append(next(gen))
     except StopIteration as end:
         reason, tail = end.value
-    return Completion("".join(t.text for t in tokens) + tail, tokens, reason, len(prompt_ids))
+    matcher = kw.get("matcher")
+    return Completion("".join(t.text for t in tokens) + tail, tokens, reason, len(prompt_ids),
+                      incomplete=matcher is not None and not matcher.conforms)
 
 
 def stream(session, prompt_ids: Sequence[int], **kw) -> Iterator[str]:

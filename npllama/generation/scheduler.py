@@ -27,6 +27,7 @@ from ..progress import Progress
 from .sampling import Sampler, SamplingParams, make_sampler
 from ..engine.session import check_ctx
 from ..text.tokenizer import StreamDecoder
+from .structured import Constraint, constraint as make_constraint
 
 __all__ = ["Request", "Scheduler", "complete_many", "generate_many"]
 
@@ -35,11 +36,14 @@ class Request:
     """One prompt's generation state, stepped by a Scheduler (as `generate.generate_tokens`
     steps a session). `tokens` grows by one Token per step; once `done`, `finish_reason` is
     "stop", "length" or "cancelled", `tail` is the text held back at the end (a possible start
-    of a stop string that never completed), and `error` is set if the request could not run. `tag` is the caller's (an index, a mailbox)."""
+    of a stop string that never completed), and `error` is set if the request could not run. `tag` is the caller's (an index, a mailbox).
+    `constraint` (a `structured.Constraint`) constrains the output through the request's own matcher;
+    `incomplete` is then True when generation ended before the output satisfied it."""
 
     def __init__(self, model, ids: Sequence[int], *, max_tokens: int, sampler: Sampler, stop: Sequence[str] = (),
-                 logprobs: int = 0, ctx: int | None = None, tag=None):
+                 logprobs: int = 0, ctx: int | None = None, tag=None, constraint: Constraint | None = None):
         tok = model.tokenizer
+        self.matcher = constraint.matcher() if constraint is not None else None
         self.ids, self.max_tokens, self.sampler, self.tag = list(ids), max_tokens, sampler, tag
         self.logprobs, self.ctx, self.stop_ids = logprobs, ctx or model.config.n_ctx, tok.eot_ids
         self.decoder = StreamDecoder(tok, skip_special=True)
@@ -57,28 +61,44 @@ class Request:
     def text(self) -> str:
         return "".join(t.text for t in self.tokens) + self.tail
 
+    @property
+    def incomplete(self) -> bool:
+        m = self.matcher
+        return m is not None and not (m.conforms if m.conforms is not None else m.accepting)
+
     def advance(self, logits) -> None:
         """Take the logits after the last fed token: sample, and either finish or set `pending`."""
+        m = self.matcher
+        if m is not None:
+            logits = m.mask(logits)
         tid = self.sampler(logits, self.history)
         if tid in self.stop_ids:
             return self._finish("stop")
+        if m is not None:
+            m.consume(tid)
         self.history.append(tid)
         text, stopped = self.scanner.push(self.decoder.feed(tid))
         lp = _logprobs(logits, tid, self.logprobs) if self.logprobs else ()
         self.tokens.append(Token(tid, text, *lp))
         if stopped:
+            if m is not None:
+                m.conforms = m.constraint.accepts("".join(t.text for t in self.tokens))
             self.finish_reason, self.done = "stop", True
             return
+        if m is not None and m.done:
+            return self._finish("stop")
         if len(self.tokens) == self.max_tokens or self.seq.length >= self.ctx:
             return self._finish("length")
         self.pending = tid
 
     def _finish(self, reason) -> None:
+        if self.matcher is not None:
+            self.matcher.conforms = self.matcher.accepting
         tail, _ = self.scanner.push(self.decoder.flush())
         self.finish_reason, self.tail, self.done = reason, tail + self.scanner.flush(), True
 
     def completion(self) -> Completion:
-        return Completion(self.text, self.tokens, self.finish_reason, len(self.ids))
+        return Completion(self.text, self.tokens, self.finish_reason, len(self.ids), incomplete=self.incomplete)
 
 
 def _common_prefix(a, b) -> int:
@@ -227,22 +247,25 @@ def complete_many(model, prompts: Sequence, *, max_tokens: int = 256, stop: str 
                   pool: KVPool | None = None, page_size: int = 16, kv_dtype=None,
                   prefix_cache: bool = True, step_tokens: int = 512, threads: int | None = None,
                   stats: dict | None = None, progress: bool | None = None,
-                  sampling: SamplingParams | None = None, **sampling_options) -> list[Completion]:
+                  sampling: SamplingParams | None = None, json_schema=None, regex: str | None = None,
+                  grammar: str | None = None, **sampling_options) -> list[Completion]:
     """A Completion for each prompt, in input order, generated with continuous batching by a
     Scheduler (see the module's docstring): the results are those of calling `model.complete`
-    on each prompt alone. `stats`, if given, is filled with the scheduler's counts."""
+    on each prompt alone. `stats`, if given, is filled with the scheduler's counts.
+    `json_schema`, `regex` or `grammar` constrain every output (each request has its own matcher)."""
     unknown = set(sampling_options) - SAMPLING_KEYS
     if unknown:
         raise TypeError(f"unexpected keyword arguments: {', '.join(sorted(unknown))}")
     params = SamplingParams(**{**(sampling or SamplingParams()).__dict__, **sampling_options})
     check_max_tokens(max_tokens)
+    rule = make_constraint(model, json_schema=json_schema, regex=regex, grammar=grammar)
     ctx = check_ctx(ctx, model.config.n_ctx)
     stops = check_stop(stop)
     logprobs = check_logprobs(logprobs)
     room = None if truncate else ctx - max_tokens
     reqs = [Request(model, fit_prompt(prompt_ids(model, p, room), ctx, max_tokens, truncate),
                     max_tokens=max_tokens, sampler=make_sampler(params), stop=stops, logprobs=logprobs, ctx=ctx,
-                    tag=i)
+                    tag=i, constraint=rule)
             for i, p in enumerate(prompts)]
     if pool is None:
         need = sorted(-(-(len(r.ids) + max_tokens) // page_size) for r in reqs)

@@ -389,6 +389,7 @@ class Tokenizer:
         self._tokens = list(tokens)
         self._types = list(token_types)
         self._hf = hf
+        self._hf_inner: _HFTokenizer | None = None  # without the space prefix: see encode_inner
         self._lock = threading.Lock()
         self._control = frozenset(i for i, t in enumerate(self._types) if t == TOKEN_CONTROL)
         self._bytes = [self._piece_bytes(i) for i in range(self.n_vocab)]
@@ -474,6 +475,22 @@ class Tokenizer:
                 raise ValueError("add_bos=True but the model has no BOS token (tokenizer.ggml.bos_token_id)")
             ids.insert(0, self.bos_id)
         return ids
+
+    def encode_inner(self, text: str) -> list[int]:
+        """Token ids of `text` as it is tokenized inside a longer text: no BOS, no SentencePiece
+        space prefix (`add_space_prefix`), control tokens written in it as plain text. For
+        constraint engines, which tokenize pieces of output."""
+        if not self.add_space_prefix:
+            return self.encode(text, add_bos=False)
+        with self._lock:
+            if self._hf_inner is None:
+                self._hf_inner = _HFTokenizer.from_str(self._hf.to_str())
+                self._hf_inner.normalizer = normalizers.Replace(" ", _SPM_SPACE)
+                self._hf_inner.encode_special_tokens = True
+            try:
+                return self._hf_inner.encode(text, add_special_tokens=False).ids
+            except TypeError:
+                raise ValueError("text is not valid Unicode: it contains lone surrogate code points") from None
 
     def _check_id(self, tid: Any, pos: int | None = None) -> int:
         where = "" if pos is None else f" at position {pos}"
