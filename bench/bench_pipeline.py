@@ -28,6 +28,7 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import npllama  # noqa: E402
+from npllama.gguf.hub import resolve_model  # noqa: E402
 
 SUBJECTS = ["the ocean", "volcanoes", "honeybees", "the Roman Empire", "black holes", "photosynthesis",
             "jazz music", "the internet", "mountain climbing", "ancient Egypt", "electric cars", "chess",
@@ -130,7 +131,7 @@ def main():
     args = ap.parse_args()
     for name in ("NPLLAMA_NUM_THREADS", "OMP_NUM_THREADS"):  # the clusters set their own
         os.environ.pop(name, None)
-    path = npllama.hub.resolve_model(args.model)
+    path = resolve_model(args.model)
     ways = args.ways.split(",")
     print(f"{path.name}, {os.cpu_count()} CPUs; single: 1 process x 2 threads; ray: 2 actors x 1 thread; "
           f"dask: 2 workers x 1 thread")

@@ -4,19 +4,19 @@
     model = npllama.load()                      # SmolLM2-135M-Instruct Q4_1 unless told otherwise
     print(model.chat([{"role": "user", "content": "Hi!"}], max_tokens=64))
 """
-from .errors import (BadRowError, ChatTemplateError, ContextOverflowError, GGUFError, MemoryLimitError,
-                     ModelFetchError, PositionError)
-from .kernels.quants import dequantize, matmul
 from .cache.kvcache import KVCache
 from .cache.kvpool import KVPool, PoolExhaustedError, PoolSeq
-from .gguf.reader import GGUFFile, ModelConfig
-from .gguf.hub import pull
-from .engine.session import Session
 from .engine.batch import forward_batch
-from .generation.sampling import SamplingParams, make_sampler
-from .generation.generate import Completion, Token
-from .generation.scheduler import Scheduler, complete_many, generate_many
+from .engine.session import Session
+from .errors import (BadRowError, ChatTemplateError, ContextOverflowError, GGUFError, MemoryLimitError,
+                     ModelFetchError, PositionError)
 from .generation.beam import beam_search
+from .generation.generate import Completion, Token
+from .generation.sampling import SamplingParams, make_sampler
+from .generation.scheduler import Scheduler, complete_many, generate_many
+from .gguf.hub import pull
+from .gguf.reader import GGUFFile, ModelConfig
+from .kernels.quants import dequantize, matmul
 from .model import Model, load
 from .predictor import BatchPredictor
 

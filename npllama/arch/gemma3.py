@@ -19,8 +19,8 @@ import math
 
 import numpy as np
 
-from .weights import f32, llama_layer
 from .base import Meta, Rope, llama_fields, llama_tensors, qk_norm_tensors
+from .weights import f32, llama_layer
 
 NAMES = ("gemma3",)
 _PERIOD = 6  # the default pattern: five sliding layers, then a global one

@@ -4,8 +4,8 @@ biases (Qwen2), Llama 3's rope_freqs. Mistral converts to `llama`; a sliding win
 only when the file has `llama.attention.sliding_window`."""
 from __future__ import annotations
 
-from .weights import llama_layer
 from .base import Meta, llama_fields, llama_tensors
+from .weights import llama_layer
 
 NAMES = ("llama", "mistral", "qwen2")
 

@@ -8,8 +8,8 @@ and sin are multiplied by `rope.scaling.attn_factor`. A sliding window applies w
 has one."""
 from __future__ import annotations
 
-from .weights import QWeight, llama_layer
 from .base import Meta, Rope, llama_fields, llama_tensors
+from .weights import QWeight, llama_layer
 
 NAMES = ("phi3",)
 

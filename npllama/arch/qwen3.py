@@ -2,8 +2,8 @@
 biases; `attention.key_length` may differ from n_embd / n_head."""
 from __future__ import annotations
 
-from .weights import f32, llama_layer
 from .base import Meta, llama_fields, llama_tensors, qk_norm_tensors
+from .weights import f32, llama_layer
 
 NAMES = ("qwen3",)
 

@@ -4,8 +4,8 @@ top `expert_used_count`, renormalises those weights to sum to 1, and adds up its
 outputs so weighted. Expert FFNs are `expert_feed_forward_length` wide."""
 from __future__ import annotations
 
-from .weights import QWeight, f32, llama_layer
 from .base import Meta, llama_fields, llama_tensors, qk_norm_tensors
+from .weights import QWeight, f32, llama_layer
 
 NAMES = ("qwen3moe",)
 

@@ -3,8 +3,8 @@
 carry it)."""
 from __future__ import annotations
 
-from .weights import llama_layer
 from .base import Meta, llama_fields, llama_tensors
+from .weights import llama_layer
 
 NAMES = ("smollm3",)
 _NO_ROPE_PERIOD = 4

@@ -1,1 +1,2 @@
-"""Computing logits from token ids: the transformer, its layer loop, the fused decode step, sessions and batched passes."""
+"""Computing logits from token ids: the transformer, its layer loop, the fused decode step,
+sessions and batched passes."""

@@ -25,11 +25,11 @@ from numba import njit, prange
 
 from ..kernels.attention import _BLOCK, _decode_chunk, _merge_chunks
 from ..kernels.f16 import _st, bits
-from . import block
 from ..kernels.nn import ACTS, _glu_row, _rmsnorm_row, _rope_row
 from ..kernels.quants import _block_sums, _deq_row, _rows_f32
 from ..kernels.quants_int8 import _Q4_1, _Q4_1P, _has_i8, _pack_q4_1, _quantize_x_q8, _rows_i8
 from ..kernels.workshare import _finish, _take, _wait, phase_size
+from . import block
 
 _MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the products of a layer, in order
 _STEPS = len(_MATRICES)

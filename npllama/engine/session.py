@@ -8,8 +8,8 @@ import reprlib
 
 import numpy as np
 
-from ..errors import ContextOverflowError
 from ..cache.kvcache import KVCache
+from ..errors import ContextOverflowError
 from ..kernels.threads import check_threads
 
 

@@ -21,7 +21,7 @@ from ..gguf.reader import GGUFFile, ModelConfig
 from ..kernels.attention import attend
 from ..kernels.nn import rmsnorm
 from ..kernels.rope import Ropes
-from ..kernels.rows import matmul_rows as mm  # x @ W.T reading each weight row once, for a few to a few hundred rows of x
+from ..kernels.rows import matmul_rows as mm  # x @ W.T reading each weight row once, for a few to hundreds of rows
 from ..kernels.threads import check_threads, physical_cores, using_threads
 from ..text.chat import validate_messages
 from . import block

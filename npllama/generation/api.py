@@ -9,9 +9,9 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from ..progress import Progress
 from .generate import (SAMPLING_KEYS, Completion, check_max_tokens, complete, fit_prompt, prompt_ids,
                        stream as stream_text)
-from ..progress import Progress
 from .sampling import SamplingParams, make_sampler
 from .structured import constraint as make_constraint
 

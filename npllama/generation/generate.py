@@ -14,8 +14,8 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from ..errors import ContextOverflowError
-from .sampling import GREEDY, Sampler, SamplingParams, make_sampler
 from ..text.tokenizer import StreamDecoder
+from .sampling import GREEDY, Sampler, SamplingParams, make_sampler
 
 
 @dataclass

@@ -19,14 +19,14 @@ from __future__ import annotations
 from collections import deque
 from typing import Sequence
 
+from ..cache.kvpool import KVPool, PoolExhaustedError, PoolSeq
 from ..engine.batch import _check_pool, forward_batch
+from ..engine.session import check_ctx
+from ..progress import Progress
+from ..text.tokenizer import StreamDecoder
 from .generate import (SAMPLING_KEYS, Completion, Token, _logprobs, _StopScanner, check_logprobs,
                        check_max_tokens, check_stop, fit_prompt, prompt_ids)
-from ..cache.kvpool import KVPool, PoolExhaustedError, PoolSeq
-from ..progress import Progress
 from .sampling import Sampler, SamplingParams, make_sampler
-from ..engine.session import check_ctx
-from ..text.tokenizer import StreamDecoder
 from .structured import Constraint, constraint as make_constraint
 
 __all__ = ["Request", "Scheduler", "complete_many", "generate_many"]
@@ -35,9 +35,10 @@ __all__ = ["Request", "Scheduler", "complete_many", "generate_many"]
 class Request:
     """One prompt's generation state, stepped by a Scheduler (as `generate.generate_tokens`
     steps a session). `tokens` grows by one Token per step; once `done`, `finish_reason` is
-    "stop", "length" or "cancelled", `tail` is the text held back at the end (a possible start
-    of a stop string that never completed), and `error` is set if the request could not run. `tag` is the caller's (an index, a mailbox).
-    `constraint` (a `structured.Constraint`) constrains the output through the request's own matcher;
+    "stop", "length", "cancelled" or "error", `tail` is the text held back at the end (a
+    possible start of a stop string that never completed), and `error` is set if the request
+    could not run. `tag` is the caller's (an index, a mailbox). `constraint` (a
+    `structured.Constraint`) constrains the output through the request's own matcher;
     `incomplete` is then True when generation ended before the output satisfied it."""
 
     def __init__(self, model, ids: Sequence[int], *, max_tokens: int, sampler: Sampler, stop: Sequence[str] = (),

@@ -40,8 +40,8 @@ from tokenizers import AddedToken, Regex
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import models, normalizers, pre_tokenizers
 
-from .chat import format_chat
 from ..errors import GGUFError
+from .chat import format_chat
 
 __all__ = ["Tokenizer", "StreamDecoder", "check_metadata", "TOKEN_NORMAL", "TOKEN_UNKNOWN", "TOKEN_CONTROL",
            "TOKEN_USER_DEFINED", "TOKEN_UNUSED", "TOKEN_BYTE"]
