@@ -137,22 +137,21 @@ class _Server:
         return body
 
     # ---- prompts (on a worker thread) ----
-    def _fit(self, ids: list[int], max_tokens: int | None) -> list[int]:
+    def _ids(self, prompt, max_tokens: int | None, param: str) -> list[int]:
+        """The prompt's token ids, or a 400 if they and max_tokens (at least 1) overflow the context."""
         ctx = self.engine.ctx
+        try:
+            ids = prompt_ids(self.model, prompt, ctx - (max_tokens or 1))
+        except ContextOverflowError as e:
+            raise APIError(400, f"{param}: {e}".replace("truncate=True", "a shorter prompt"),
+                           code="context_length_exceeded", param=param) from None
+        except ValueError as e:  # token ids out of range
+            raise APIError(400, f"{param}: {e}", code="invalid_value", param=param) from None
         if len(ids) + (max_tokens or 1) > ctx:
             raise APIError(400, f"the prompt is {len(ids)} tokens and max_tokens is {max_tokens or 'unset'}, "
                                 f"but the context holds {ctx} tokens; shorten the prompt or lower max_tokens",
-                           code="context_length_exceeded", param="messages")
+                           code="context_length_exceeded", param=param)
         return ids
-
-    def _ids(self, prompt, max_tokens: int | None) -> list[int]:
-        try:
-            ids = prompt_ids(self.model, prompt, self.engine.ctx - (max_tokens or 1))
-        except ContextOverflowError as e:
-            raise APIError(400, str(e), code="context_length_exceeded", param="prompt") from None
-        except ValueError as e:  # token ids out of range
-            raise APIError(400, f"prompt: {e}", code="invalid_value", param="prompt") from None
-        return self._fit(ids, max_tokens)
 
     def chat_ids(self, messages: list[dict], max_tokens: int | None) -> list[int]:
         try:
@@ -160,10 +159,10 @@ class _Server:
         except (ChatTemplateError, ValueError) as e:
             raise APIError(400, f"the chat template could not render these messages: {e}",
                            code="invalid_value", param="messages") from None
-        return self._ids(text, max_tokens)
+        return self._ids(text, max_tokens, "messages")
 
     def prompt_ids(self, prompts: list, max_tokens: int | None) -> list[list[int]]:
-        return [self._ids(p, max_tokens) for p in prompts]
+        return [self._ids(p, max_tokens, "prompt") for p in prompts]
 
     # ---- generation ----
     async def chat(self, request: Request) -> Response:

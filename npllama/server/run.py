@@ -1,8 +1,6 @@
 """Run the server with uvicorn: load the model, size the engine, print the URL once listening."""
 from __future__ import annotations
 
-import sys
-
 import uvicorn
 
 from .app import DEFAULT_MAX_BODY, create_app
@@ -51,4 +49,3 @@ def serve(model=None, *, threads: int | None = None, activations: str = "f32", k
               f"of {engine.ctx} tokens)", flush=True)
     server.on_ready = ready
     server.run()  # a port it cannot bind: uvicorn logs why and exits with status 1
-    print("npllama serve: stopped", file=sys.stderr, flush=True)
