@@ -150,6 +150,7 @@ def cmd_serve(args) -> int:
     serve(args.model, threads=args.threads, activations=args.activations, kv_dtype=args.kv_dtype, host=args.host,
           port=args.port, api_key=args.api_key or os.environ.get("NPLLAMA_API_KEY"), ctx=args.ctx,
           parallel=args.parallel, cors_origins=args.cors_origin or (), max_body=args.max_body,
+          max_queue=args.max_queue,
           model_id=args.alias, log_level=args.log_level)
     return 0
 
@@ -204,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "more requests wait in a queue")
     p.add_argument("--cors-origin", action="append", metavar="ORIGIN", help="allow browser requests from ORIGIN "
                    "(repeatable; default: CORS off)")
+    p.add_argument("--max-queue", type=int, default=256, help="requests that may wait beyond --parallel; more "
+                   "are answered 503 (default 256)")
     p.add_argument("--max-body", type=int, default=4 << 20, help="largest request body in bytes (default 4 MiB)")
     p.add_argument("--alias", help="the model name /v1/models shows (default: the file name)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],

@@ -47,19 +47,18 @@ class Running:
         self.thread.start()
         self.url = urls.get(timeout=60)
         self.model = model
+        self.auth: dict = {}  # headers for /metrics
 
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0,
                              timeout=60, **kw)
 
     def post(self, path, body=None, **kw) -> httpx.Response:
-        return httpx.post(self.url + path, json=body, timeout=60, **kw)
+        return httpx.post(self.url + path, json=body, **{"timeout": 60, **kw})
 
     def metric(self, name: str) -> float:
         text = httpx.get(self.url + "/metrics", headers=self.auth, timeout=10).text
         return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
-
-    auth: dict = {}
 
     def close(self) -> None:
         self.server.should_exit = True
@@ -87,10 +86,31 @@ def varied():
 @pytest.fixture(scope="module")
 def locked(tiny_model_path):
     s = Running(npllama.Model(tiny_model_path), ctx=64, parallel=2, api_key=KEY,
-                cors_origins=["http://ok.example"], max_body=4096)
+                cors_origins=["http://ok.example"], max_body=4096, max_queue=1)
     s.auth = {"Authorization": f"Bearer {KEY}"}
     yield s
     s.close()
+
+
+SLOW = 777  # the seed that slow_sampler slows down
+
+
+@pytest.fixture
+def slow_sampler(monkeypatch):
+    """Requests with seed SLOW sample one token per 20 ms (so that they are still running)."""
+    import npllama.server.engine as eng
+    real = eng.make_sampler
+
+    def make(params):
+        sample = real(params)
+        if params.seed != SLOW:
+            return sample
+
+        def slow(logits, history):
+            time.sleep(0.02)
+            return sample(logits, history)
+        return slow
+    monkeypatch.setattr(eng, "make_sampler", make)
 
 
 def sse(url: str, body: dict, headers=None) -> list:
@@ -123,7 +143,10 @@ def test_chat_matrix(tiny, n):
     prompt_tokens = len(m.tokenize(m.format_chat(CHAT), special=True))
     c = tiny.client()
     opts = dict(model="any", messages=CHAT, max_tokens=6, temperature=1.0, seed=7, n=n, logprobs=True)
+    cached = tiny.metric("npllama_prompt_tokens_cached_total")
     full = c.chat.completions.create(**opts)
+    if n > 1:  # the choices share the prompt's full pages
+        assert tiny.metric("npllama_prompt_tokens_cached_total") - cached >= (n - 1) * (prompt_tokens // 16) * 16 > 0
     assert [ch.index for ch in full.choices] == list(range(n))
     texts = [ch.message.content for ch in full.choices]
     assert all(ch.finish_reason in ("stop", "length") and ch.message.role == "assistant" for ch in full.choices)
@@ -209,10 +232,12 @@ def test_greedy_concurrent_equals_sequential(varied):
 # ---- cancellation and load ---------------------------------------------------------------------
 def test_abandoned_streams_are_cancelled(varied):
     import asyncio
+    before = {k: varied.metric(k) for k in ("npllama_generation_tokens_total", "npllama_cancelled_requests_total")}
 
     async def abandon(client):
         async with client.stream("POST", varied.url + "/v1/completions",
                                  json=dict(prompt="Tell me", max_tokens=100, temperature=0, stream=True)) as r:
+            assert r.status_code == 200, await r.aread()
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     return json.loads(line[6:])["choices"][0]["text"] is not None
@@ -229,9 +254,48 @@ def test_abandoned_streams_are_cancelled(varied):
     while varied.metric("npllama_running_sequences") or varied.metric("npllama_kv_pages_used"):
         assert time.monotonic() < deadline, "abandoned streams kept running or kept their pages"
         time.sleep(0.05)
-    generated = varied.metric("npllama_generation_tokens_total")
+    generated = varied.metric("npllama_generation_tokens_total") - before["npllama_generation_tokens_total"]
+    assert generated < 16 * 100 / 2  # run to the end, they would have made 16 x 100 tokens
+    assert varied.metric("npllama_cancelled_requests_total") > before["npllama_cancelled_requests_total"]
     time.sleep(0.3)
-    assert varied.metric("npllama_generation_tokens_total") == generated
+    assert varied.metric("npllama_generation_tokens_total") - before["npllama_generation_tokens_total"] == generated
+
+
+def test_abandoned_request_is_cancelled(tiny, slow_sampler):
+    """A non-streamed request whose client goes away is cancelled too."""
+    before = tiny.metric("npllama_cancelled_requests_total")
+    with pytest.raises(httpx.ReadTimeout):
+        tiny.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": SLOW,
+                                           "max_tokens": 100}, timeout=0.5)
+    deadline = time.monotonic() + 20
+    while tiny.metric("npllama_cancelled_requests_total") == before or tiny.metric("npllama_running_sequences"):
+        assert time.monotonic() < deadline, "the abandoned request was not cancelled"
+        time.sleep(0.05)
+
+
+def test_busy_server_answers_503(locked, slow_sampler):
+    """parallel 2 + max_queue 1: a fourth request while three run or wait is a 503."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "seed": SLOW, "max_tokens": 40, "stream": True}
+    url = locked.url + "/v1/chat/completions"
+    with httpx.Client(timeout=60, headers=locked.auth) as c:
+        streams = [c.stream("POST", url, json=body) for _ in range(3)]
+        lines = []  # kept: a dropped line iterator closes its response
+        try:
+            for s in streams:
+                r = s.__enter__()
+                assert r.status_code == 200
+                lines.append(r.iter_lines())
+                assert next(lines[-1]).startswith("data: ")  # the role chunk: it is in
+            r = c.post(url, json={**body, "stream": False})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "server_busy"
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+    deadline = time.monotonic() + 20
+    while locked.metric("npllama_running_sequences") or locked.metric("npllama_queue_depth"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert locked.client(api_key=KEY).completions.create(model="x", prompt="the", max_tokens=2).choices
 
 
 def test_load_64_requests_32_threads(varied, tiny):

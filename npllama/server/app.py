@@ -385,6 +385,9 @@ class _Server:
 def create_app(engine: Engine, *, model_id: str | None = None, api_key: str | None = None,
                cors_origins=(), max_body: int = DEFAULT_MAX_BODY, max_queue: int = DEFAULT_MAX_QUEUE) -> Starlette:
     """The server's ASGI app. Its lifespan starts the engine thread and stops it at shutdown."""
+    for name, value, low in (("max_body", max_body, 1), ("max_queue", max_queue, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     model_id = model_id or os.path.splitext(os.path.basename(engine.model.path))[0]
     s = _Server(engine, model_id, max_body, max_queue)
     internal_errors: list[BaseException] = []
@@ -425,4 +428,5 @@ def create_app(engine: Engine, *, model_id: str | None = None, api_key: str | No
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                     exception_handlers={APIError: api_error, HTTPException: http_error, Exception: internal_error})
     app.state.engine, app.state.internal_errors, app.state.model_id = engine, internal_errors, model_id
+    app.state.handlers = s
     return app

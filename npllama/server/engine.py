@@ -113,6 +113,7 @@ class Engine:
         self.failures: list[BaseException] = []  # unexpected engine errors (each already answered)
         self._thread = threading.Thread(target=self._run, name="npllama-engine", daemon=True)
         self._stopping = False
+        self._cached = 0  # the scheduler's cached_tokens count already in the metrics
 
     # ---- called from the event loop ---------------------------------------------------------
     def start(self) -> None:
@@ -186,6 +187,8 @@ class Engine:
         self.metrics.prompt_tokens.inc(sum(len(ids) for ids in job.prompts))
 
     def _cancel(self, job: Job) -> None:
+        if any(not r.done for r in job.reqs):
+            self.metrics.cancelled.inc()
         for r in job.reqs:
             self.sched.cancel(r)
         self.jobs.discard(job)
@@ -243,6 +246,9 @@ class Engine:
 
     def _gauges(self) -> None:
         m, pool = self.metrics, self.pool
+        cached = self.sched.stats["cached_tokens"]
+        m.cached_tokens.inc(cached - self._cached)
+        self._cached = cached
         m.waiting.set(len(self.sched.waiting))
         m.running.set(len(self.sched.running))
         m.kv_used.set(pool.n_pages - pool.n_available)

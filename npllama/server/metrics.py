@@ -12,6 +12,10 @@ class Metrics:
         self.requests = Counter("npllama_requests", "HTTP requests answered, by route and status",
                                 ["route", "status"], registry=r)
         self.prompt_tokens = Counter("npllama_prompt_tokens", "Prompt tokens submitted to the engine", registry=r)
+        self.cached_tokens = Counter("npllama_prompt_tokens_cached", "Prompt tokens taken from the prefix cache "
+                                     "(pages shared with earlier prompts) instead of computed", registry=r)
+        self.cancelled = Counter("npllama_cancelled_requests", "Requests whose client went away before the end",
+                                 registry=r)
         self.generation_tokens = Counter("npllama_generation_tokens", "Tokens generated", registry=r)
         self.waiting = Gauge("npllama_queue_depth", "Requests waiting for a running slot", registry=r)
         self.running = Gauge("npllama_running_sequences", "Sequences in the running batch", registry=r)

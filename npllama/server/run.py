@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import uvicorn
 
-from .app import DEFAULT_MAX_BODY, create_app
+from .app import DEFAULT_MAX_BODY, DEFAULT_MAX_QUEUE, create_app
 from .engine import Engine
 
 
@@ -23,11 +23,12 @@ class _Uvicorn(uvicorn.Server):
 
 def build(model, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None, ctx: int | None = None,
           parallel: int = 4, threads: int | None = None, cors_origins=(), max_body: int = DEFAULT_MAX_BODY,
-          model_id: str | None = None, shutdown_timeout: float = 10.0, log_level: str = "warning",
+          max_queue: int = DEFAULT_MAX_QUEUE, model_id: str | None = None, shutdown_timeout: float = 10.0, log_level: str = "warning",
           on_ready=None) -> _Uvicorn:
     """A uvicorn server for a loaded `model` (not yet running: call `.run()`, or `.serve()` in a loop)."""
     engine = Engine(model, ctx=ctx, parallel=parallel, threads=threads)
-    app = create_app(engine, model_id=model_id, api_key=api_key, cors_origins=cors_origins, max_body=max_body)
+    app = create_app(engine, model_id=model_id, api_key=api_key, cors_origins=cors_origins, max_body=max_body,
+                     max_queue=max_queue)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=shutdown_timeout, access_log=False)
     server = _Uvicorn(config, on_ready or (lambda url: None))
