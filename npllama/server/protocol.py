@@ -151,8 +151,25 @@ class Generation:
     constraint: dict = field(default_factory=dict)  # a Request's structured-output keyword
 
 
+def _refuse_unsupported(body: dict, chat: bool) -> None:
+    """A 400 for the OpenAI fields that would change the answer but are not implemented, rather
+    than an answer that silently ignores them (other unknown fields are ignored)."""
+    given = {k: v for k, v in body.items() if v not in (None, False, [], "")}
+    if chat:
+        names = [k for k in ("tools", "functions", "tool_choice", "function_call", "audio", "prediction")
+                 if k in given and not (k in ("tool_choice", "function_call") and given[k] in ("none", "auto"))]
+    else:
+        names = [k for k in ("echo", "suffix") if k in given]
+        if given.get("best_of") not in (None, 1, given.get("n", 1)):
+            names.append("best_of")
+    if names:
+        raise APIError(400, f"{names[0]}: not supported by this server", code="unsupported_parameter",
+                       param=names[0])
+
+
 def parse_generation(body: dict, n_vocab: int, *, chat: bool) -> Generation:
     """Check the generation fields common to /v1/chat/completions and /v1/completions."""
+    _refuse_unsupported(body, chat)
     max_tokens = _integer(body, "max_completion_tokens", 1) if chat else None
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens", 1)
