@@ -61,6 +61,10 @@ class Running:
         return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
 
     def close(self) -> None:
+        deadline = time.monotonic() + 10
+        while self.app.state.handlers.active:  # every answered or abandoned request was let go
+            assert time.monotonic() < deadline, f"{self.app.state.handlers.active} requests still counted"
+            time.sleep(0.05)
         self.server.should_exit = True
         self.thread.join(30)
         assert not self.thread.is_alive(), "the server did not stop"

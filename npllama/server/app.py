@@ -105,6 +105,22 @@ class _Count:
         await self.app(scope, receive, counted)
 
 
+class _EventStream(StreamingResponse):
+    """A Server-Sent Events response that calls `on_close()` when it ends, normally, by an error,
+    or because the client went away (possibly before its body was ever iterated)."""
+
+    def __init__(self, events, on_close):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
 # ---- the app -----------------------------------------------------------------------------------
 class _Server:
     """The handlers, bound to one engine."""
@@ -191,8 +207,14 @@ class _Server:
         self.engine.submit(job)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if gen.stream:
-            return StreamingResponse(self._stream(job, chat, ident, start), media_type="text/event-stream",
-                                     headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+            state = {"finished": False}
+
+            def close():  # once the response ends, however it ends (even before its first chunk)
+                self.active -= 1
+                self.metrics.latency.observe(time.monotonic() - start)
+                if not state["finished"]:
+                    self.engine.cancel(job)
+            return _EventStream(self._stream(job, chat, ident, state), close)
         try:
             result = await self._collect(request, job)
         finally:
@@ -263,7 +285,8 @@ class _Server:
                 "model": self.model_id, "choices": choices,
                 "usage": P.usage(prompt_tokens, sum(len(t) for t in tokens))}
 
-    async def _stream(self, job: Job, chat: bool, ident: str, start: float):
+    async def _stream(self, job: Job, chat: bool, ident: str, state: dict):
+        """The SSE lines of a streamed answer; sets state["finished"] once the job is over."""
         gen, tok = job.params, self.model.tokenizer
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
@@ -284,39 +307,32 @@ class _Server:
             return _sse({"id": ident, "object": obj, "created": created, "model": self.model_id,
                          "choices": [choice], **extra})
 
-        finished = False
+        if chat:
+            for k in range(job.n_choices):
+                yield chunk(k, role=True)
         try:
-            if chat:
-                for k in range(job.n_choices):
-                    yield chunk(k, role=True)
-            try:
-                async for ev in self._events(job):
-                    k = ev[1]
-                    if ev[0] == "tokens":
-                        text = "".join(t.text for t in ev[2])
-                        if text or gen.want_logprobs:
-                            yield chunk(k, text, ev[2])
-                        offsets[k] += len(text)
-                    else:
-                        reason, tail, n_tokens = ev[2], ev[3], n_tokens + ev[4]
-                        if tail:
-                            yield chunk(k, tail)
-                        yield chunk(k, finish=reason)
-            except APIError as e:
-                finished = True
-                yield _sse(e.body())
-                return
-            if gen.include_usage:
-                prompt_tokens = sum(len(ids) for ids in job.prompts)
-                yield _sse({"id": ident, "object": obj, "created": created, "model": self.model_id, "choices": [],
-                            "usage": P.usage(prompt_tokens, n_tokens)})
-            yield "data: [DONE]\n\n"
-            finished = True
-        finally:
-            self.active -= 1
-            self.metrics.latency.observe(time.monotonic() - start)
-            if not finished:
-                self.engine.cancel(job)
+            async for ev in self._events(job):
+                k = ev[1]
+                if ev[0] == "tokens":
+                    text = "".join(t.text for t in ev[2])
+                    if text or gen.want_logprobs:
+                        yield chunk(k, text, ev[2])
+                    offsets[k] += len(text)
+                else:
+                    reason, tail, n_tokens = ev[2], ev[3], n_tokens + ev[4]
+                    if tail:
+                        yield chunk(k, tail)
+                    yield chunk(k, finish=reason)
+        except APIError as e:
+            state["finished"] = True  # the engine ended the job
+            yield _sse(e.body())
+            return
+        state["finished"] = True
+        if gen.include_usage:
+            prompt_tokens = sum(len(ids) for ids in job.prompts)
+            yield _sse({"id": ident, "object": obj, "created": created, "model": self.model_id, "choices": [],
+                        "usage": P.usage(prompt_tokens, n_tokens)})
+        yield "data: [DONE]\n\n"
 
     # ---- other routes ----
     async def embeddings(self, request: Request) -> Response:
