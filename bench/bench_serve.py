@@ -2,20 +2,18 @@
 threads. Never a pass/fail test.
 
     python bench/bench_serve.py [--n 16] [--gen 64] [--threads 2] [--model PATH]
-                                [--engines npllama,npllama-serial,llama-cpp-python]
+        [--engines npllama,npllama-serial,llama-cpp-python,llama-cpp-python-serial]
 
 Each engine is started as its own server process on a free loopback port and sent `--n` chat
-requests at once (greedy, `--gen` tokens at most, streamed), after two warm-up requests.
-`npllama-serial` is the same npllama server sent the same requests one at a time (its
-one-request-at-a-time throughput), and `llama-cpp-python-serial` likewise. Printed per engine: generated tokens per second of wall
-time over the whole set, time to first token (median and p99) and request latency (median and
-p99). llama-cpp-python's server runs one request at a time (a lock held for the whole
-request); it is started with `--interrupt_requests False`, without which each new request
-aborts the stream in progress, and its serial mode sends the same requests one at a time.
-It runs from the references' python ($NPLLAMA_REF_PY, else
-~/.cache/npllama-refs/venv) with its server extras, and is skipped with a note without them.
-Targets (issue 17): npllama's 16-stream throughput >= 3x llama-cpp-python's server, and >= 2x
-npllama one request at a time.
+requests at once (greedy, `--gen` tokens at most, streamed), after two warm-up requests; a
+`-serial` engine is the same server sent the same requests one at a time. Printed per engine:
+generated tokens per second of wall time over the whole set, time to first token (median and
+p99) and request latency (median and p99). llama-cpp-python's server runs one request at a
+time (a lock held for the whole request); it is started with `--interrupt_requests False`,
+without which each new request aborts the stream in progress. It runs from the references'
+python ($NPLLAMA_REF_PY, else ~/.cache/npllama-refs/venv) with its server extras, and is
+skipped with a note without them. Targets (issue 17): npllama's 16-stream throughput >= 3x
+llama-cpp-python's server, and >= 2x npllama one request at a time.
 """
 from __future__ import annotations
 
