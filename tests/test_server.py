@@ -562,3 +562,22 @@ def test_default_model_end_to_end(default_model):
         assert "".join(ch.delta.content or "" for x in r for ch in x.choices) == text[:text.index(stop)]
     finally:
         s.close()
+
+
+def test_a_failing_step_fails_its_requests_and_the_server_goes_on(tiny, monkeypatch):
+    import npllama.scheduler
+    real, calls = npllama.scheduler.forward_batch, []
+
+    def forward_failing_once(*args, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return real(*args, **kw)
+    monkeypatch.setattr(npllama.scheduler, "forward_batch", forward_failing_once)
+    r = tiny.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert r.status_code == 500 and r.json()["error"]["message"] == "the engine failed: RuntimeError"
+    assert [str(e) for e in tiny.engine.failures] == ["boom"]
+    tiny.engine.failures.clear()  # expected here; any other fails the server's teardown
+    assert tiny.client().chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=4).choices[0].finish_reason == "length"
+    assert tiny.metric("npllama_kv_pages_used") == 0

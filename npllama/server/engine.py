@@ -200,13 +200,12 @@ class Engine:
             job.post(("error", 0, e))
 
     def _step(self) -> None:
-        running = list(self.sched.running)
         try:
             changed = self.sched.step()
         except Exception as e:  # noqa: BLE001 - fail the requests this step ran, keep serving
             log.error("engine step failed:\n%s", traceback.format_exc())
             self.failures.append(e)
-            for r in running:
+            for r in list(self.sched.running):  # those it ran, and those it admitted
                 job, k = r.tag
                 self.sched.cancel(r)
                 job.post(("error", k, EngineFailure(f"the engine failed: {type(e).__name__}")))
