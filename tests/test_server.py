@@ -531,7 +531,7 @@ def test_cli_serve_prints_url_and_stops_on_sigterm(tiny_model_path):
 
 def test_cli_serve_refuses_a_pool_too_big_for_memory(tiny_model_path):
     p = _cli("-m", str(tiny_model_path), "--port", "0", "-c", "256", "--parallel", "100000000")
-    out, err = p.communicate(timeout=60)
+    _, err = p.communicate(timeout=60)
     assert p.returncode == 1 and "npllama: error:" in err and "--parallel" in err, err
     assert "Traceback" not in err
 

@@ -161,7 +161,7 @@ class Engine:
                 if not self.sched.idle:
                     self._step()
                 self._gauges()
-        except BaseException as e:  # noqa: BLE001 - a bug in the engine itself: record, answer, end
+        except BaseException as e:  # a bug in the engine itself: record it, answer every job, end
             self._fail_all(e)
             raise
         finally:
