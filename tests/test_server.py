@@ -425,6 +425,7 @@ def test_bad_requests_other_routes(tiny):
         (httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 10**9]}), 400),
         (httpx.post(url + "/v1/completions", json={"prompt": ""}), 400),
         (httpx.post(url + "/v1/completions", json={"prompt": "a", "echo": True}), 400),
+        (httpx.post(url + "/v1/completions", json={"prompt": ["a"] * 8, "n": 16}), 400),
         (httpx.post(url + "/v1/completions", json={"prompt": [[]]}), 400),
         (httpx.post(url + "/v1/completions", json={"prompt": "x" * 5000, "max_tokens": 8}), 400),
         (httpx.post(url + "/v1/embeddings", json={"input": ""}), 400),

@@ -198,7 +198,11 @@ class _Server:
             messages = P.parse_messages(body)
             prompts = [await run_in_threadpool(self.chat_ids, messages, gen.max_tokens)]
         else:
-            prompts = await run_in_threadpool(self.prompt_ids, P.parse_prompts(body), gen.max_tokens)
+            raw = P.parse_prompts(body)
+            if len(raw) * gen.n > P.MAX_PROMPTS:
+                raise APIError(400, f"{len(raw)} prompts x n={gen.n} is more than {P.MAX_PROMPTS} completions "
+                                    f"in one request", code="invalid_value", param="n")
+            prompts = await run_in_threadpool(self.prompt_ids, raw, gen.max_tokens)
         if self.active >= self.engine.parallel + self.max_queue:
             raise APIError(503, f"the server is busy ({self.active} requests in progress); retry later",
                            code="server_busy")

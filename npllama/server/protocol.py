@@ -14,7 +14,7 @@ from ..generate import Token
 from ..sampling import SamplingParams
 
 MAX_N = 16              # choices per request
-MAX_PROMPTS = 64        # prompts in one /v1/completions request
+MAX_PROMPTS = 64        # prompts (times n) in one /v1/completions request
 MAX_STOP = 16           # stop strings
 MAX_STOP_CHARS = 256    # characters per stop string
 MAX_TOP_LOGPROBS = 20
