@@ -101,7 +101,7 @@ SLOW = 777  # the seed that slow_sampler slows down
 
 @pytest.fixture
 def slow_sampler(monkeypatch):
-    """Requests with seed SLOW sample one token per 20 ms (so that they are still running)."""
+    """Requests with seed SLOW sample one token per 50 ms (so that they are still running)."""
     import npllama.server.engine as eng
     real = eng.make_sampler
 
@@ -111,7 +111,7 @@ def slow_sampler(monkeypatch):
             return sample
 
         def slow(logits, history):
-            time.sleep(0.02)
+            time.sleep(0.05)
             return sample(logits, history)
         return slow
     monkeypatch.setattr(eng, "make_sampler", make)
