@@ -582,3 +582,14 @@ def test_a_failing_step_fails_its_requests_and_the_server_goes_on(tiny, monkeypa
     assert tiny.client().chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=4).choices[0].finish_reason == "length"
     assert tiny.metric("npllama_kv_pages_used") == 0
+
+
+def test_a_client_that_leaves_mid_body_is_no_server_error(tiny):
+    import socket
+    host, port = tiny.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"messages\": [")
+        time.sleep(0.2)
+    time.sleep(0.2)
+    assert httpx.get(tiny.url + "/health").status_code == 200  # and teardown finds no internal error

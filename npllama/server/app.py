@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
@@ -138,12 +138,16 @@ class _Server:
             raise APIError(413, f"the request body is {size} bytes; the limit is {self.max_body}",
                            code="request_too_large")
         chunks, n = [], 0
-        async for chunk in request.stream():
-            n += len(chunk)
-            if n > self.max_body:
-                raise APIError(413, f"the request body is over the limit of {self.max_body} bytes",
-                               code="request_too_large")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                n += len(chunk)
+                if n > self.max_body:
+                    raise APIError(413, f"the request body is over the limit of {self.max_body} bytes",
+                                   code="request_too_large")
+                chunks.append(chunk)
+        except ClientDisconnect:  # gone before its body arrived: answered to nobody, not a server error
+            raise APIError(400, "the client disconnected while sending the request body",
+                           code="client_disconnected") from None
         try:
             body = json.loads(b"".join(chunks))
         except (ValueError, RecursionError):
