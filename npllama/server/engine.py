@@ -205,9 +205,11 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - fail the requests this step ran, keep serving
             log.error("engine step failed:\n%s", traceback.format_exc())
             self.failures.append(e)
-            for r in list(self.sched.running):  # those it ran, and those it admitted
-                job, k = r.tag
-                self.sched.cancel(r)
+            failed = {r.tag[0]: r.tag[1] for r in self.sched.running}  # the jobs it ran or admitted
+            for job, k in failed.items():
+                for r in job.reqs:
+                    self.sched.cancel(r)
+                self.jobs.discard(job)
                 job.post(("error", k, EngineFailure(f"the engine failed: {type(e).__name__}")))
             return
         now = time.monotonic()
