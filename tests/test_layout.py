@@ -17,7 +17,7 @@ LAYERS = [
     {"engine"},
     {"generation"},
     {"model"},
-    {"bench", "cli", "predictor"},
+    {"bench", "cli", "predictor", "server"},
     {"__init__", "__main__"},
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}

@@ -1,0 +1,52 @@
+"""Run the server with uvicorn: load the model, size the engine, print the URL once listening."""
+from __future__ import annotations
+
+import uvicorn
+
+from .app import DEFAULT_MAX_BODY, DEFAULT_MAX_QUEUE, create_app
+from .engine import Engine
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, calling `on_ready(url)` once its socket listens."""
+
+    def __init__(self, config: uvicorn.Config, on_ready):
+        super().__init__(config)
+        self.on_ready = on_ready
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and not self.should_exit:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            self.on_ready(f"http://{f'[{host}]' if ':' in host else host}:{port}")
+
+
+def build(model, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None, ctx: int | None = None,
+          parallel: int = 4, threads: int | None = None, cors_origins=(), max_body: int = DEFAULT_MAX_BODY,
+          max_queue: int = DEFAULT_MAX_QUEUE, model_id: str | None = None, shutdown_timeout: float = 10.0, log_level: str = "warning",
+          on_ready=None) -> _Uvicorn:
+    """A uvicorn server for a loaded `model` (not yet running: call `.run()`, or `.serve()` in a loop)."""
+    engine = Engine(model, ctx=ctx, parallel=parallel, threads=threads)
+    app = create_app(engine, model_id=model_id, api_key=api_key, cors_origins=cors_origins, max_body=max_body,
+                     max_queue=max_queue)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                            timeout_graceful_shutdown=shutdown_timeout, access_log=False)
+    server = _Uvicorn(config, on_ready or (lambda url: None))
+    server.app = app
+    return server
+
+
+def serve(model=None, *, threads: int | None = None, activations: str = "f32", kv_dtype=None, **options) -> None:
+    """Load `model` (a path, or the default model) and serve it until Ctrl-C or SIGTERM: then
+    the server takes no new requests, lets running ones finish for up to `shutdown_timeout`
+    seconds, and aborts the rest. The options are those of `build`."""
+    from ..model import load
+    m = load(model, threads=threads, activations=activations, kv_dtype=kv_dtype)
+    server = build(m, threads=threads, **options)
+    engine = server.app.state.engine
+
+    def ready(url):
+        print(f"npllama serve: listening on {url} (model {server.app.state.model_id}, {engine.parallel} sequences "
+              f"of {engine.ctx} tokens)", flush=True)
+    server.on_ready = ready
+    server.run()  # a port it cannot bind: uvicorn logs why and exits with status 1
