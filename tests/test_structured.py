@@ -136,6 +136,13 @@ def test_batched_each_request_its_own_matcher(tiny):
     assert len(outs) == 4 and set(outs) <= {"ok", "no"}
 
 
+def _nested(depth):
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
 def test_bad_constraints_fail_before_any_token(tiny):
     s = tiny.session()
     cases = [
@@ -157,6 +164,9 @@ def test_bad_constraints_fail_before_any_token(tiny):
         (dict(grammar=""), "non-empty"),
         (dict(json_schema={"type": "integer", "minimum": 10 ** 20}), "integer range"),  # past llguidance's int64
         (dict(json_schema={"type": "integer", "minimum": 5, "maximum": 3}), "Unsatisfiable"),
+        (dict(json_schema=_nested(5000)), "nested too deeply"),
+        (dict(json_schema='{"type": "array", "items": ' * 5000 + "{}" + "}" * 5000), "nested too deeply"),
+        (dict(json_schema={"enum": [f"v{i}" for i in range(100_000)]}), "too big"),
     ]
     for kw, word in cases:
         with pytest.raises(ValueError, match=re.escape(word)):

@@ -201,6 +201,14 @@ def constraint(model, *, json_schema=None, regex=None, grammar=None) -> "Constra
     if len(given) > 1:
         raise ValueError(f"give at most one of json_schema, regex and grammar, not {' and '.join(given)}")
     (kind, value), = given.items()
+    try:
+        return _compile(model, kind, value)
+    except RecursionError:  # a schema (or the JSON text of one) nested past Python's recursion limit
+        raise ValueError(f"{_WHAT[kind]} is nested too deeply to compile; flatten it (a JSON Schema can name "
+                         f"repeated parts in $defs and refer to them with $ref)") from None
+
+
+def _compile(model, kind: str, value) -> "Constraint":
     llg = _llguidance()
     if kind == "json_schema":
         key, value = _json_schema(value)
