@@ -96,3 +96,54 @@ def test_scheduler_checks_its_arguments(model):
         Scheduler(model, pool, max_batch=0)
     with pytest.raises(ValueError, match="step_tokens"):
         Scheduler(model, pool, step_tokens=0)
+
+
+# ---- a request decoding alone: the fused decode step over its pages ---------------------------
+ARCH = __import__("pathlib").Path(__file__).parent / "fixtures" / "arch"
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: sliding layers (window 6) and post-norms
+def test_decode_alone_equals_a_session(arch, page_size):
+    from npllama.engine.batch import decode_alone, forward_batch
+    m = npllama.Model(ARCH / f"{arch}.gguf", threads=2)
+    ids = prompt(7, 9)
+    pool = KVPool.for_model(m, tokens=64, page_size=page_size)
+    seq = pool.new_seq()
+    forward_batch(m, pool, [seq], [ids])
+    s = m.session()
+    s.feed(ids)
+    for tok in prompt(8, 20):  # past the window, across pages
+        np.testing.assert_allclose(decode_alone(m, pool, seq, tok), s.feed([tok]), rtol=1e-4, atol=1e-4)
+    assert seq.tokens == s.tokens
+
+
+def test_decode_alone_copies_a_shared_page_first(model):
+    from npllama.engine.batch import decode_alone, forward_batch
+    pool = KVPool.for_model(model, tokens=64, page_size=4, dtype=np.float16)
+    a = pool.new_seq()
+    forward_batch(model, pool, [a], [prompt(9, 6)])   # 1.5 pages: the second one half full
+    before = [pool.gather(a, li) for li in range(model.config.n_layer)]
+    b = pool.fork(a)
+    logits = decode_alone(model, pool, b, 17)
+    for li, (k, v) in enumerate(before):
+        ka, va = pool.gather(a, li)
+        assert np.array_equal(ka, k) and np.array_equal(va, v)  # the source's rows are untouched
+    c = pool.new_seq()
+    ref = forward_batch(model, pool, [c], [prompt(9, 6) + [17]])[0]
+    np.testing.assert_allclose(logits, ref, rtol=1e-3, atol=1e-3)
+    assert b.tokens == a.tokens + [17] and b.pages[1] != a.pages[1]
+
+
+def test_a_lone_request_takes_the_fused_step(model, monkeypatch):
+    import npllama.generation.scheduler as sch
+    calls = []
+    real = sch.decode_alone
+    monkeypatch.setattr(sch, "decode_alone", lambda *a, **k: calls.append(1) or real(*a, **k))
+    pool = KVPool.for_model(model, tokens=64, page_size=4)
+    sched = Scheduler(model, pool)
+    r = request(model, prompt(5, 6), max_tokens=6)
+    sched.submit(r)
+    while not sched.idle:
+        sched.step()
+    assert [t.id for t in r.tokens] == alone(model, r.ids) and len(calls) == 5  # every token after the first

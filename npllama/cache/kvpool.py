@@ -121,7 +121,8 @@ class KVPool:
                    f"a {dtype} KV pool of {self.n_pages} pages x {self.page_size} positions ({self.n_layers} "
                    f"layers x {self.n_kv_heads} KV heads x {self.head_dim})",
                    "use fewer pages (fewer or shorter sequences)" + (", or float16" if dtype == np.float32 else ""))
-        self._bufs = tuple(np.zeros(shape, dtype) for _ in range(self.n_layers))
+        self._all = np.zeros((self.n_layers, *shape), dtype)
+        self._bufs = tuple(self._all)  # each layer's view
         # flat views (n_pages * page_size, KVH, 2, D) of the same memory, for slot scatters
         self._flat = tuple(b.reshape(-1, self.n_kv_heads, 2, self.head_dim) for b in self._bufs)
         assert all(np.shares_memory(f, b) for f, b in zip(self._flat, self._bufs))
@@ -150,6 +151,11 @@ class KVPool:
 
     def buffers(self) -> tuple[np.ndarray, ...]:
         return self._bufs
+
+    def slots(self) -> np.ndarray:
+        """Every layer's records by flat slot id (page * page_size + row), (n_layers, n_pages *
+        page_size, KVH, 2, D): one array for a fused kernel that reads and writes all layers."""
+        return self._all.reshape(self.n_layers, -1, self.n_kv_heads, 2, self.head_dim)
 
     @property
     def n_free(self) -> int:

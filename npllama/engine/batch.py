@@ -38,7 +38,7 @@ from ..kernels.rows import _gate_up_rows, _matmul_rows, _qkv_rows, _rmsnorm_rows
 from ..kernels.threads import check_threads, using_threads
 from . import block
 
-__all__ = ["forward_batch", "batch_mask"]
+__all__ = ["forward_batch", "decode_alone", "batch_mask"]
 
 CHUNK_TOKENS = 256     # packed tokens per pass through the layers (longer batches run in chunks)
 USE_ROW_KERNELS = True  # False: every product through the tiled-dequant + BLAS path
@@ -120,6 +120,23 @@ def forward_batch(model, pool: KVPool, seqs: Sequence[PoolSeq], token_lists, *, 
     if not all_logits:
         return list(logits)
     return np.split(logits, ends[:-1])
+
+
+def decodes_alone(model) -> bool:
+    """Whether `decode_alone` applies to `model`: exact (float32) activations, as the packed
+    pass's products, and no mixture of experts (which the fused step does not run)."""
+    return model.activations == "f32" and not model.config.n_expert
+
+
+def decode_alone(model, pool: KVPool, seq: PoolSeq, token: int, *, threads: int | None = None) -> np.ndarray:
+    """Logits (n_vocab,) after one more token of a pool sequence that is decoding alone: the
+    fused decode step of a session (engine/decode.py) over the sequence's pages, in place of
+    a packed pass of one token (one compiled call instead of a Python loop over the layers:
+    about half the time). The same products, so the same results up to float rounding; for
+    models where `decodes_alone` holds."""
+    _check_pool(model, pool)
+    model.ropes.check_range(seq.length, seq.length + 1)
+    return model.decode_plan.step_paged(int(token), pool, seq, check_threads(threads) or model.threads)
 
 
 class RowOps(block.Ops):

@@ -123,8 +123,24 @@ class DecodePlan:
         cost tens of microseconds per token from Python, with the CPU caches flushed by the
         weights): the region gets min(threads, that setting) threads, normally every CPU, and
         its work sharing gives the same result with fewer threads than workers."""
-        m, cfg = self.model, self.model.config
         cache.ensure_capacity(pos + 1)
+        kvs = cache.buffers()
+        logits = self._run(token, pos, kvs, _WHOLE, kvs.shape[1], threads)
+        cache.commit(1)
+        return logits
+
+    def step_paged(self, token: int, pool, seq, threads: int) -> np.ndarray:
+        """`step` for a sequence of a KV pool (`cache.kvpool`): logits of `token` at position
+        seq.length, its keys and values written into the sequence's pages (a shared page is
+        copied first), and the token committed."""
+        pos = seq.length
+        pool.reserve([seq], [1])
+        logits = self._run(token, pos, pool.slots(), np.asarray(seq.pages, np.int64), pool.page_size, threads)
+        pool.commit(seq, [token])
+        return logits
+
+    def _run(self, token, pos, kvs, pages, ps, threads) -> np.ndarray:
+        m, cfg = self.model, self.model.config
         # attention work items: chunks of keys, at least half a block each (a sliding layer
         # splits its window into as many, some of them empty when the window is short)
         n_chunks = max(1, min(_CHUNKS_PER_THREAD * threads, (pos + 1) // (_BLOCK // 2)))
@@ -133,10 +149,9 @@ class DecodePlan:
         with self._lock:  # the steps of a model's sessions share its working memory
             _decode_step(token, pos, n_chunks, self.buffer, self.packed, self.table, self.attn_norm, self.ffn_norm,
                          self.bq, self.bk, self.bv, self.q_norm, self.k_norm, self.post_attn, self.post_ffn,
-                         self.lcfg, self.act, self.embd_scale, bits(cache.buffers()), cos, sin, cfg.rope_neox,
+                         self.lcfg, self.act, self.embd_scale, bits(kvs), pages, ps, cos, sin, cfg.rope_neox,
                          self.eps, self.scale, cfg.n_head, m.output_norm, self.int8, logits, threads, self.offs,
                          *self._scratch_for(threads))
-        cache.commit(1)
         return block.softcap(logits, cfg.softcap)
 
     def _scratch_for(self, threads: int) -> tuple:
@@ -163,6 +178,7 @@ class DecodePlan:
         return self._scratch
 
 
+_WHOLE = np.zeros(1, np.int64)  # a session's cache as one page: position p is record p
 _ITEM_BYTES = 16384  # weight bytes per work item of a product (rows are never split)
 
 
@@ -298,8 +314,8 @@ def _private(f32, i8, n_embd, q_dim, n_ff, KVH, G, D):
 
 @njit(cache=True)
 def _worker(ctr, home, nr, token, pos, buffer, packed, table, attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm,
-            post_attn, post_ffn, lcfg, act, embd_scale, kvs, cos, sin, neox, eps, scale, H, out_norm, int8, logits, res,
-            offs, part_m, part_l, part_acc, f32, i8, n_items):
+            post_attn, post_ffn, lcfg, act, embd_scale, kvs, pages, ps, cos, sin, neox, eps, scale, H, out_norm, int8,
+            logits, res, offs, part_m, part_l, part_acc, f32, i8, n_items):
     """One thread's share of a decode step. Every thread keeps its own copy of the residual
     stream and of the small per-token values (norms, RoPE, quantized activations), computed
     identically from the shared results; the products (the FFN's gate and up together, with
@@ -337,8 +353,8 @@ def _worker(ctr, home, nr, token, pos, buffer, packed, table, attn_norm, ffn_nor
                     _prepare(he, int8, xsum, qe, de, se)
                 elif step == 3:
                     _attention(ctr, home, nr, li, pos, res[li], offs, n_items, q, k, v, bq, bk, bv, q_norm, k_norm,
-                               lcfg[li], eps, kvs[li], cos, sin, neox, scale, part_m[li], part_l[li], part_acc[li],
-                               s, ha)
+                               lcfg[li], eps, kvs[li], pages, ps, cos, sin, neox, scale, part_m[li], part_l[li],
+                               part_acc[li], s, ha)
                     _prepare(ha, int8, xsum, qa, da, sa)
                 elif step == 4:
                     _wait(ctr, _slot(li, 3, nr), nr, n_items[3])
@@ -378,16 +394,17 @@ def _residual(x, r, post, li, eps, tmp):
 
 
 @njit(cache=True)
-def _attention(ctr, home, nr, li, pos, res, offs, n_items, q, k, v, bq, bk, bv, q_norm, k_norm, lcfg, eps, kv, cos,
-               sin, neox, scale, part_m, part_l, part_acc, s, out):
+def _attention(ctr, home, nr, li, pos, res, offs, n_items, q, k, v, bq, bk, bv, q_norm, k_norm, lcfg, eps, kv, pages,
+               ps, cos, sin, neox, scale, part_m, part_l, part_acc, s, out):
     """A thread's part of layer li's attention: wait for q, k, v; norm and RoPE them
     (privately) as the layer says and write the new key and value rows; take chunks of the
     keys the query sees (its window's, in a sliding layer) as items (every KV head of a
     chunk at once); merge every head's chunks into out (H * D).
 
     q: (KVH, G, D) scratch for the scaled query; k, v: (KVH, D); lcfg: the layer's [RoPE
-    table or -1, window or 0]; part_m, part_l: (n_chunks, KVH, G) and part_acc
-    (n_chunks, KVH, G, D): the chunks' running states."""
+    table or -1, window or 0]; position p's record is kv[pages[p // ps] * ps + p % ps] (a
+    session's cache: one page of its whole capacity); part_m, part_l: (n_chunks, KVH, G) and
+    part_acc (n_chunks, KVH, G, D): the chunks' running states."""
     KVH, G, D = q.shape
     n_chunks = part_m.shape[0]
     for step in range(3):
@@ -410,10 +427,11 @@ def _attention(ctr, home, nr, li, pos, res, offs, n_items, q, k, v, bq, bk, bv, 
         _rope_row(k, pos, cos[lcfg[0]], sin[lcfg[0]], neox)
     q *= scale
     # every thread writes the same new row, before any of its own reads of it
+    at = pages[pos // ps] * ps + pos % ps
     for g in range(KVH):
         for d in range(D):
-            _st(kv[pos, g, 0], d, k[g, d])
-            _st(kv[pos, g, 1], d, v[g, d])
+            _st(kv[at, g, 0], d, k[g, d])
+            _st(kv[at, g, 1], d, v[g, d])
     lo = max(0, pos + 1 - lcfg[1]) if lcfg[1] > 0 else 0  # the first key the query sees
     chunk = -(-(pos + 1 - lo) // n_chunks)
     slot = _slot(li, _ATT, nr)
@@ -425,7 +443,12 @@ def _attention(ctr, home, nr, li, pos, res, offs, n_items, q, k, v, bq, bk, bv, 
         part_m[c] = -np.inf
         part_l[c] = 0.0
         part_acc[c] = 0.0
-        _decode_chunk(q, kv, lo + c * chunk, min(pos + 1, lo + (c + 1) * chunk), part_m[c], part_l[c], part_acc[c], s)
+        t, t1 = lo + c * chunk, min(pos + 1, lo + (c + 1) * chunk)
+        while t < t1:  # the chunk's keys, a run of consecutive records per page
+            end = min(t1, (t // ps + 1) * ps)
+            at = pages[t // ps] * ps + t % ps
+            _decode_chunk(q, kv, at, at + end - t, part_m[c], part_l[c], part_acc[c], s)
+            t = end
         done += 1
     _finish(ctr, slot, nr, done)
     _wait(ctr, slot, nr, n_chunks)
@@ -434,8 +457,8 @@ def _attention(ctr, home, nr, li, pos, res, offs, n_items, q, k, v, bq, bk, bv, 
 
 @njit(parallel=True, cache=True)
 def _decode_step(token, pos, n_chunks, buffer, packed, table, attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm,
-                 post_attn, post_ffn, lcfg, act, embd_scale, kvs, cos, sin, neox, eps, scale, H, out_norm, int8, logits,
-                 n_threads, offs, res, part_m, part_l, part_acc, ctr, f32, i8, n_items):
+                 post_attn, post_ffn, lcfg, act, embd_scale, kvs, pages, ps, cos, sin, neox, eps, scale, H, out_norm,
+                 int8, logits, n_threads, offs, res, part_m, part_l, part_acc, ctr, f32, i8, n_items):
     """One token through every layer in one parallel region: each thread runs `_worker`, and
     the products and attention are shared out as work items (see npllama.workshare).
 
@@ -456,5 +479,5 @@ def _decode_step(token, pos, n_chunks, buffer, packed, table, attn_norm, ffn_nor
     ctr[:_slot(n_layer + 1, 0, n_threads)] = 0
     for home in prange(n_threads):
         _worker(ctr, home, n_threads, token, pos, buffer, packed, table, attn_norm, ffn_norm, bq, bk, bv, q_norm,
-                k_norm, post_attn, post_ffn, lcfg, act, embd_scale, kvs, cos, sin, neox, eps, scale, H, out_norm, int8,
-                logits, res, offs, pm, pl, pa, f32[home], i8[home], n_items[home])
+                k_norm, post_attn, post_ffn, lcfg, act, embd_scale, kvs, pages, ps, cos, sin, neox, eps, scale, H,
+                out_norm, int8, logits, res, offs, pm, pl, pa, f32[home], i8[home], n_items[home])

@@ -174,6 +174,14 @@ class Transformer:
                 f"{(cache.n_layers, cache.n_kv_heads, cache.head_dim)}, this model needs "
                 f"{(cfg.n_layer, cfg.n_head_kv, cfg.head_dim)}; make one with model.new_cache()")
 
+    @property
+    def decode_plan(self):
+        """The fused decode step's layout of the weights (engine/decode.py), built at first use."""
+        if self._plan is None:
+            from .decode import DecodePlan
+            self._plan = DecodePlan(self, int8=self.activations == "int8")
+        return self._plan
+
     def _run(self, ids: np.ndarray, cache: KVCache, all_logits: bool, output: str, threads: int) -> np.ndarray:
         """`forward` for checked arguments (int64 ids, a cache shaped for this model) at
         position cache.length. Kept short for one token: every line runs once per decoded
@@ -182,11 +190,8 @@ class Transformer:
         self.ropes.check_range(pos, pos + len(ids))
         # the fused decode step runs its own threads (mixtures of experts take the prefill path)
         if len(ids) == 1 and output == "logits" and not self.config.n_expert:
-            if self._plan is None:
-                from .decode import DecodePlan
-                self._plan = DecodePlan(self, int8=self.activations == "int8")
             try:
-                logits = self._plan.step(int(ids[0]), pos, cache, threads)
+                logits = self.decode_plan.step(int(ids[0]), pos, cache, threads)
             except BaseException:
                 cache.truncate(pos)
                 raise

@@ -1,7 +1,8 @@
 """Continuous batching: a `Scheduler` steps many generation requests over one KV pool.
 
 Each `step()` is one packed forward pass (`batch.forward_batch`) over the decoding requests
-(one token each) and chunks of newly admitted prompts (at most `step_tokens` tokens in all).
+(one token each) and chunks of newly admitted prompts (at most `step_tokens` tokens in all);
+a request decoding alone takes the fused decode step over its pages (`batch.decode_alone`).
 Up to `max_batch` requests run at once; a request joins at the next step after it is
 submitted, as soon as the pool has room for its prompt and its `max_tokens`, and leaves when it
 finishes or is cancelled, its pages returned to the pool. Full pages of computed prompts stay
@@ -20,7 +21,7 @@ from collections import deque
 from typing import Sequence
 
 from ..cache.kvpool import KVPool, PoolExhaustedError, PoolSeq
-from ..engine.batch import _check_pool, forward_batch
+from ..engine.batch import _check_pool, decode_alone, decodes_alone, forward_batch
 from ..engine.session import check_ctx
 from ..progress import Progress
 from ..text.tokenizer import StreamDecoder
@@ -221,7 +222,10 @@ class Scheduler:
             members.append(r)
         if not members:
             return changed
-        logits = forward_batch(self.model, self.pool, seqs, feeds, threads=self.threads)
+        if len(members) == 1 and members[0].fed == len(members[0].ids) and decodes_alone(self.model):
+            logits = [decode_alone(self.model, self.pool, seqs[0], feeds[0][0], threads=self.threads)]
+        else:
+            logits = forward_batch(self.model, self.pool, seqs, feeds, threads=self.threads)
         st = self.stats
         st["steps"] += 1
         for r, feed, lg in zip(members, feeds, logits):
