@@ -9,15 +9,14 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import jsonschema
+import llguidance  # noqa: F401 - the test extras install it: a missing one fails here, never skips
 import numpy as np
 import pytest
 
 import npllama
 from npllama.generation.structured import INT_LIMIT, _bound_numbers, constraint
 from npllama.text.tokenizer import TOKEN_BYTE
-
-jsonschema = pytest.importorskip("jsonschema")
-pytest.importorskip("llguidance")
 
 ARCH = Path(__file__).parent / "fixtures" / "arch"
 TINY = ["llama", "gemma3", "qwen3"]  # SPM with space prefix, SPM without, byte-level BPE
