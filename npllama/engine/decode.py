@@ -14,7 +14,9 @@ model file's memory map or, in int8 mode, into one array of the Q4_1 weights rep
 int8 kernel (`DecodePlan.table`, `DecodePlan.packed`) rather than as tuples of arrays: a tuple
 indexed by layer inside compiled code becomes a branch per layer at every use, which made
 compiling a 30-layer step take minutes. The new key and value rows are written straight into
-the KV cache's array; the caller commits them afterwards.
+the KV cache's array; the caller commits them afterwards. The cache is addressed through a
+page table: a session's cache is one page (`DecodePlan.step`), a KV pool sequence its pages
+(`DecodePlan.step_paged`, for a request decoding alone in the continuous batching).
 """
 from __future__ import annotations
 
