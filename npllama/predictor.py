@@ -19,7 +19,6 @@ before any generation of its batch; no row is ever dropped.
 from __future__ import annotations
 
 import os
-import reprlib
 import sys
 import threading
 from collections.abc import Mapping
@@ -31,7 +30,7 @@ from .engine.session import check_ctx
 from .engine.transformer import _kv_dtype
 from .errors import BadRowError
 from .generation.generate import SAMPLING_KEYS, check_max_tokens, check_stop, fit_prompt, prompt_ids
-from .generation.sampling import SamplingParams
+from .generation.sampling import SamplingParams, _show
 from .gguf.hub import resolve_model
 from .kernels.threads import check_threads, threads_from_environment, using_threads
 from .model import Model
@@ -51,13 +50,6 @@ def process_stats() -> dict:
     `max_threads` (the most Numba threads any call computed with)."""
     with _lock:
         return dict(_stats)
-
-
-def _show(value) -> str:
-    try:
-        return reprlib.repr(value)
-    except Exception:  # noqa: BLE001 - a value whose repr fails
-        return f"<{type(value).__name__}>"
 
 
 class BatchPredictor:

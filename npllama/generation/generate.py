@@ -7,7 +7,6 @@ yields only the text pieces.
 from __future__ import annotations
 
 import numbers
-import reprlib
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -15,7 +14,7 @@ import numpy as np
 
 from ..errors import ContextOverflowError
 from ..text.tokenizer import StreamDecoder
-from .sampling import GREEDY, Sampler, SamplingParams, make_sampler
+from .sampling import GREEDY, Sampler, SamplingParams, _show, make_sampler
 
 
 @dataclass
@@ -68,14 +67,6 @@ class _StopScanner:
     def flush(self) -> str:
         out, self.pending = self.pending, ""
         return out
-
-
-def _show(value) -> str:
-    """A short repr that never fails (deep, cyclic or huge values)."""
-    try:
-        return reprlib.repr(value)
-    except Exception:  # noqa: BLE001 - e.g. an int too long to print
-        return f"<{type(value).__name__}>"
 
 
 def _count(name: str, value) -> int:
@@ -165,12 +156,57 @@ def generate_tokens(session, prompt_ids: Sequence[int], *, max_tokens: int = 256
                      logprobs, matcher)
 
 
+class TokenPicker:
+    """The part of generation that runs once per token, shared by a session's loop
+    (`generate_tokens`) and the continuous batching's requests (`scheduler.Request`): mask the
+    logits (under a constraint), sample, stop at an end-of-turn id, a stop string or a complete
+    constrained output, and decode the text that became safe to show."""
+
+    def __init__(self, tokenizer, history: list[int], sampler: Sampler, scanner: "_StopScanner",
+                 stop_ids, logprobs: int, matcher=None):
+        self.decoder = StreamDecoder(tokenizer, skip_special=True)
+        self.history, self.sampler, self.scanner = history, sampler, scanner
+        self.stop_ids, self.logprobs, self.matcher = stop_ids, logprobs, matcher
+        self.shown: list[str] = []  # the text so far, to check a constrained output a stop string cuts
+
+    def pick(self, logits) -> tuple[Token | None, str | None]:
+        """(the next Token, how generation ends with it): (None, "stop") at an end-of-turn id;
+        "stop string" when a stop string ended the text (nothing is held back: no `finish`);
+        "complete" when the constrained output is complete; None to go on."""
+        m = self.matcher
+        if m is not None:
+            logits = m.mask(logits)
+        tid = self.sampler(logits, self.history)
+        if tid in self.stop_ids:
+            return None, "stop"
+        if m is not None:
+            m.consume(tid)
+        self.history.append(tid)
+        text, stopped = self.scanner.push(self.decoder.feed(tid))
+        token = Token(tid, text, *(_logprobs(logits, tid, self.logprobs) if self.logprobs else ()))
+        if stopped:
+            if m is not None:
+                m.conforms = m.constraint.accepts("".join(self.shown) + text)
+            return token, "stop string"
+        if m is not None:
+            self.shown.append(text)
+            if m.done:
+                return token, "complete"
+        return token, None
+
+    def finish(self) -> str:
+        """End generation (other than by a stop string): the text held back (a possible start of
+        a stop string that never completed); the matcher says whether the output conforms."""
+        if self.matcher is not None:
+            self.matcher.conforms = self.matcher.accepting
+        tail, _ = self.scanner.push(self.decoder.flush())
+        return tail + self.scanner.flush()
+
+
 def _generate(session, prompt_ids, max_tokens, sampler, scanner, stop_ids, logprobs, matcher=None):
     tok = session.model.tokenizer
-    stop_ids = tok.eot_ids if stop_ids is None else stop_ids
-    decoder = StreamDecoder(tok, skip_special=True)
-    history = list(session.tokens) + list(prompt_ids)
-    shown = [] if matcher is not None else None  # the text so far, to check it when a stop string cuts it
+    picker = TokenPicker(tok, list(session.tokens) + list(prompt_ids), sampler, scanner,
+                         tok.eot_ids if stop_ids is None else stop_ids, logprobs, matcher)
     if max_tokens == 0 or matcher is not None and matcher.done:
         if matcher is not None:
             matcher.conforms = matcher.accepting
@@ -178,33 +214,20 @@ def _generate(session, prompt_ids, max_tokens, sampler, scanner, stop_ids, logpr
     logits = session.feed(prompt_ids)
     reason = "length"
     for n in range(max_tokens):
-        if matcher is not None:
-            logits = matcher.mask(logits)
-        tid = sampler(logits, history)
-        if tid in stop_ids:
+        token, end = picker.pick(logits)
+        if token is None:
             reason = "stop"
             break
-        if matcher is not None:
-            matcher.consume(tid)
-        history.append(tid)
-        text, stopped = scanner.push(decoder.feed(tid))
-        yield Token(tid, text, *(_logprobs(logits, tid, logprobs) if logprobs else ()))
-        if stopped:
-            if matcher is not None:
-                matcher.conforms = matcher.constraint.accepts("".join(shown) + text)
+        yield token
+        if end == "stop string":
             return "stop", ""
-        if shown is not None:
-            shown.append(text)
-        if matcher is not None and matcher.done:
+        if end == "complete":
             reason = "stop"
             break
         if n + 1 == max_tokens or session.pos >= session.ctx:
             break
-        logits = session.feed([tid])
-    if matcher is not None:
-        matcher.conforms = matcher.accepting
-    tail, _ = scanner.push(decoder.flush())
-    return reason, tail + scanner.flush()
+        logits = session.feed([token.id])
+    return reason, picker.finish()
 
 
 def _logprobs(logits: np.ndarray, tid: int, n: int):

@@ -24,8 +24,7 @@ from ..cache.kvpool import KVPool, PoolExhaustedError, PoolSeq
 from ..engine.batch import _check_pool, decode_alone, decodes_alone, forward_batch
 from ..engine.session import check_ctx
 from ..progress import Progress
-from ..text.tokenizer import StreamDecoder
-from .generate import (SAMPLING_KEYS, Completion, Token, _logprobs, _StopScanner, check_logprobs,
+from .generate import (SAMPLING_KEYS, Completion, Token, TokenPicker, _StopScanner, check_logprobs,
                        check_max_tokens, check_stop, fit_prompt, prompt_ids)
 from .sampling import Sampler, SamplingParams, make_sampler
 from .structured import Constraint, constraint as make_constraint
@@ -34,23 +33,21 @@ __all__ = ["Request", "Scheduler", "complete_many", "generate_many"]
 
 
 class Request:
-    """One prompt's generation state, stepped by a Scheduler (as `generate.generate_tokens`
-    steps a session). `tokens` grows by one Token per step; once `done`, `finish_reason` is
-    "stop", "length", "cancelled" or "error", `tail` is the text held back at the end (a
-    possible start of a stop string that never completed), and `error` is set if the request
-    could not run. `tag` is the caller's (an index, a mailbox). `constraint` (a
+    """One prompt's generation state, stepped by a Scheduler (its tokens picked by the
+    `generate.TokenPicker` that `generate_tokens` uses for a session). `tokens` grows by one
+    Token per step; once `done`, `finish_reason` is "stop", "length", "cancelled" or "error",
+    `tail` is the text held back at the end (a possible start of a stop string that never
+    completed), and `error` is set if the request could not run. `tag` is the caller's (an index, a mailbox). `constraint` (a
     `structured.Constraint`) constrains the output through the request's own matcher;
     `incomplete` is then True when generation ended before the output satisfied it."""
 
     def __init__(self, model, ids: Sequence[int], *, max_tokens: int, sampler: Sampler, stop: Sequence[str] = (),
                  logprobs: int = 0, ctx: int | None = None, tag=None, constraint: Constraint | None = None):
-        tok = model.tokenizer
         self.matcher = constraint.matcher() if constraint is not None else None
         self.ids, self.max_tokens, self.sampler, self.tag = list(ids), max_tokens, sampler, tag
-        self.logprobs, self.ctx, self.stop_ids = logprobs, ctx or model.config.n_ctx, tok.eot_ids
-        self.decoder = StreamDecoder(tok, skip_special=True)
-        self.scanner = _StopScanner(stop)
-        self.history = list(self.ids)
+        self.ctx = ctx or model.config.n_ctx
+        self.picker = TokenPicker(model.tokenizer, list(self.ids), sampler, _StopScanner(stop),
+                                  model.tokenizer.eot_ids, logprobs, self.matcher)
         self.tokens: list[Token] = []
         self.seq: PoolSeq | None = None
         self.fed = 0            # prompt tokens in the cache (computed or shared)
@@ -70,34 +67,21 @@ class Request:
 
     def advance(self, logits) -> None:
         """Take the logits after the last fed token: sample, and either finish or set `pending`."""
-        m = self.matcher
-        if m is not None:
-            logits = m.mask(logits)
-        tid = self.sampler(logits, self.history)
-        if tid in self.stop_ids:
+        token, end = self.picker.pick(logits)
+        if token is None:
             return self._finish("stop")
-        if m is not None:
-            m.consume(tid)
-        self.history.append(tid)
-        text, stopped = self.scanner.push(self.decoder.feed(tid))
-        lp = _logprobs(logits, tid, self.logprobs) if self.logprobs else ()
-        self.tokens.append(Token(tid, text, *lp))
-        if stopped:
-            if m is not None:
-                m.conforms = m.constraint.accepts("".join(t.text for t in self.tokens))
+        self.tokens.append(token)
+        if end == "stop string":
             self.finish_reason, self.done = "stop", True
             return
-        if m is not None and m.done:
+        if end == "complete":
             return self._finish("stop")
         if len(self.tokens) == self.max_tokens or self.seq.length >= self.ctx:
             return self._finish("length")
-        self.pending = tid
+        self.pending = token.id
 
     def _finish(self, reason) -> None:
-        if self.matcher is not None:
-            self.matcher.conforms = self.matcher.accepting
-        tail, _ = self.scanner.push(self.decoder.flush())
-        self.finish_reason, self.tail, self.done = reason, tail + self.scanner.flush(), True
+        self.finish_reason, self.tail, self.done = reason, self.picker.finish(), True
 
     def completion(self) -> Completion:
         return Completion(self.text, self.tokens, self.finish_reason, len(self.ids), incomplete=self.incomplete)
