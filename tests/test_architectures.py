@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import npllama
-from npllama.engine.batch import forward_batch
+from npllama.engine.batch import decode_alone, decodes_alone, forward_batch
 from npllama.errors import GGUFError
 from npllama.gguf.reader import SUPPORTED_ARCHS
 from npllama.cache.kvpool import KVPool
@@ -74,6 +74,20 @@ def test_decode_one_token_at_a_time_matches_hf(load, name):
     rows = [s.feed([int(t)]) for t in fix["ids"]]
     want = fix["logits_decode"] if "logits_decode" in fix.files else fix["logits"]
     assert_matches_hf(np.stack(rows), want, f"{name} decode")
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "qwen3moe"])  # experts take the packed pass
+def test_fused_step_over_pool_pages_matches_hf(load, name):
+    """The fused decode step over a pool sequence's pages (`decode_alone`: a request decoding
+    alone in the continuous batching), one token per call as HF was fed for `logits_decode`;
+    pages of 4 positions, so every sequence spans many pages (and Gemma 3 its window)."""
+    model, fix = load(name)
+    assert decodes_alone(model) and not decodes_alone(load("qwen3moe")[0])
+    pool = KVPool.for_model(model, tokens=len(fix["ids"]) + 8, page_size=4)
+    seq = pool.new_seq()
+    rows = [decode_alone(model, pool, seq, int(t)) for t in fix["ids"]]
+    want = fix["logits_decode"] if "logits_decode" in fix.files else fix["logits"]
+    assert_matches_hf(np.stack(rows), want, f"{name} fused step over pages")
 
 
 @pytest.mark.parametrize("name", NAMES)
