@@ -1,0 +1,350 @@
+"""Products of many activation rows with int8 activations: the int8 mode's prefill and batched
+passes (rows.py is the exact mode's; quants_int8.py has the decode step's one-row dots).
+
+Panels
+------
+A Q4_0, Q4_1 or Q8_0 weight is laid out again, once, in panels of 16 rows (`pack_panels`; the
+last panel padded with zero rows). A panel holds its 16 rows block by block; for each block of
+32 columns:
+
+    quants: 64-byte vectors whose bytes 4r..4r+3 are bytes 4k..4k+3 of row r's quants, for
+            k = 0..3 (Q4_0, Q4_1: each byte holds element 4k+i in its low nibble and element
+            16+4k+i in its high one, as in the GGUF block) or k = 0..7 (Q8_0, each byte
+            offset by 128, so that it is unsigned)
+    d:      the 16 rows' float16 scales, then (Q4_1) their float16 minimums m
+
+so a panel block is the same size as its 16 GGUF blocks (Q4_1 320 bytes, Q4_0 288, Q8_0 544).
+
+The micro-kernel
+----------------
+Each activation row x is quantized per block of 32 as the decode step quantizes it
+(`quants_int8._quantize_x_q8`: int8 q, scale d_x, s_x = d_x sum q), plus the integer sum of
+the block's q. For a panel and a tile of up to 4 activation rows, per block: each 64-byte
+vector of quants (split into its low and high nibbles) meets the 4 bytes of x that its
+elements multiply, broadcast to all 16 rows, in one u8 x s8 dot into 16 int32 lanes
+(vpdpbusd: lane r accumulates row r), so a block costs 8 dots per activation row, after which
+
+    acc_r += float(isum_r - bias sum q) * (d_r d_x)    bias: 8 (Q4_0), 128 (Q8_0), 0 (Q4_1)
+    acc_r += m_r s_x                                    (Q4_1)
+
+The integer sums are exact, and every activation row's float operations are the same whatever
+the tile size, so a row's products do not depend on the other rows beside it (batched passes
+equal single runs bit for bit). The dot is vpdpbusd where the CPU has AVX512-VNNI, two 256-bit
+ones with AVX-VNNI, else portable IR (widening multiplies; `_make_tiles(isa)` builds any).
+
+Njit level (C-contiguous arrays, nothing raises):
+
+* ``_quantize_rows(x, xq, xd, xs, xi)``: each row of x (T, n) float32 quantized.
+* ``_panel_rows(code, pw, p, xq, xd, xs, xi, tmp)``: tmp[t, :] = the 16 products of panel p
+  with every activation row t (tmp: (T, 16) float32).
+* ``_matmul_panels``, ``_qkv_panels``, ``_gate_up_panels``: the products, parallel over panels.
+
+Python level: ``has_panels(qtype)``, ``pack_panels(data, qtype)``, ``quantize_rows(x)`` and
+``matmul_panels(panels, qtype, rows, x)``.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .nn import _glu1
+from .quants import _F32T, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q8_0, _const_vec, _ir_call, _ir_load, _ir_splat, _shuffle, _vec
+from .quants_int8 import DOT_ISA, _ir_f16_vec, _quantize_x_q8
+
+__all__ = ["PANEL", "has_panels", "pack_panels", "quantize_rows", "matmul_panels"]
+
+PANEL = 16  # weight rows per panel: the int32 lanes of a 512-bit vector
+_TT = 4     # activation rows per tile of the micro-kernel
+
+# kind: (GGUF block bytes, offset of its quants, 4-byte groups per block, panel block bytes, bias, has m)
+_KINDS = {
+    "q4_0": (18, 2, 4, 288, 8, False),
+    "q4_1": (20, 4, 4, 320, 0, True),
+    "q8_0": (34, 2, 8, 544, 128, False),
+}
+_CODES = {_Q4_0: "q4_0", _Q4_1: "q4_1", _Q8_0: "q8_0"}
+
+
+def has_panels(qtype) -> bool:
+    """Whether weights of GGUF type `qtype` have the panel kernels (Q4_0, Q4_1, Q8_0)."""
+    return int(qtype) in _CODES
+
+
+# ---------------------------------------------------------------------------------------
+# Packing
+# ---------------------------------------------------------------------------------------
+
+@njit(parallel=True, cache=True)
+def _pack(src, dst, size, qoff, groups, pbs, has_m, flip):
+    """Panels of the GGUF rows `src` (rows, nb * size) into `dst` (n_panels, nb * pbs), zeroed."""
+    rows = src.shape[0]
+    nb = src.shape[1] // size
+    for p in prange(dst.shape[0]):
+        for r in range(min(PANEL, rows - p * PANEL)):
+            row = src[p * PANEL + r]
+            for b in range(nb):
+                o = b * size
+                ob = b * pbs
+                for k in range(groups):
+                    for i in range(4):
+                        dst[p, ob + 64 * k + 4 * r + i] = row[o + qoff + 4 * k + i] ^ flip
+                od = ob + 64 * groups
+                dst[p, od + 2 * r] = row[o]
+                dst[p, od + 2 * r + 1] = row[o + 1]
+                if has_m:
+                    dst[p, od + 32 + 2 * r] = row[o + 2]
+                    dst[p, od + 32 + 2 * r + 1] = row[o + 3]
+
+
+def pack_panels(data, qtype) -> np.ndarray:
+    """The panels (n_panels, blocks * panel block bytes) uint8 of a Q4_0/Q4_1/Q8_0 weight
+    `data` (rows, row bytes) uint8: a new array, the size of the weight (rounded up to 16 rows)."""
+    kind = _CODES.get(int(qtype))
+    if kind is None:
+        raise ValueError(f"no panel kernels for type {qtype!r}; they exist for Q4_0, Q4_1 and Q8_0")
+    size, qoff, groups, pbs, bias, has_m = _KINDS[kind]
+    data = np.ascontiguousarray(data)
+    if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] % size:
+        raise ValueError(f"{kind} rows must be a uint8 array of shape (rows, {size} * blocks), "
+                         f"got {data.dtype} {data.shape}")
+    n_panels = (data.shape[0] + PANEL - 1) // PANEL
+    out = np.zeros((n_panels, data.shape[1] // size * pbs), np.uint8)
+    _pack(data, out, size, qoff, groups, pbs, has_m, np.uint8(128 if kind == "q8_0" else 0))
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# The activation rows
+# ---------------------------------------------------------------------------------------
+
+@njit(cache=True)
+def _quantize_rows(x, xq, xd, xs, xi):
+    """Quantize each row of x (T, n): xq (T, n) int8, xd, xs (T, n // 32) float32 as
+    quants_int8._quantize_x_q8, and xi (T, n // 32) int32, the sums of each block's q."""
+    T, n = x.shape
+    for t in range(T):
+        _quantize_x_q8(x[t], xq[t], xd[t], xs[t])
+        for b in range(n // 32):
+            acc = 0
+            for j in range(32):
+                acc += np.int32(xq[t, 32 * b + j])
+            xi[t, b] = acc
+
+
+def quantize_rows(x) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(xq, xd, xs, xi) of `_quantize_rows` for x of shape (T, n), n a multiple of 32."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] % 32:
+        raise ValueError(f"x must have shape (T, n) with n a multiple of 32, got {x.shape}")
+    T, n = x.shape
+    xq = np.empty((T, n), np.int8)
+    xd, xs = np.empty((T, n // 32), np.float32), np.empty((T, n // 32), np.float32)
+    xi = np.empty((T, n // 32), np.int32)
+    _quantize_rows(x, xq, xd, xs, xi)
+    return xq, xd, xs, xi
+
+
+# ---------------------------------------------------------------------------------------
+# The micro-kernel
+# ---------------------------------------------------------------------------------------
+
+def _ir_dpbusd(builder, acc, u, s, isa):
+    """acc (<16 x i32>) + the sums of 4 consecutive products u_j s_j in each lane, for <64 x i8>
+    u (unsigned) and s (signed)."""
+    v16 = _vec(_I32, 16)
+    if isa == "vnni512":
+        return _ir_call(builder, "llvm.x86.avx512.vpdpbusd.512", v16,
+                        [acc, builder.bitcast(u, v16), builder.bitcast(s, v16)])
+    if isa == "vnni256":
+        v8 = _vec(_I32, 8)
+        halves = []
+        for h in range(2):
+            idx = list(range(32 * h, 32 * h + 32))
+            a = _shuffle(builder, acc, acc, list(range(8 * h, 8 * h + 8)))
+            halves.append(_ir_call(builder, "llvm.x86.avx512.vpdpbusd.256", v8,
+                                   [a, builder.bitcast(_shuffle(builder, u, u, idx), v8),
+                                    builder.bitcast(_shuffle(builder, s, s, idx), v8)]))
+        return _shuffle(builder, halves[0], halves[1], list(range(16)))
+    v64 = _vec(_I32, 64)
+    p = builder.mul(builder.zext(u, v64), builder.sext(s, v64), flags=["nsw"])
+    for i in range(4):
+        acc = builder.add(acc, _shuffle(builder, p, p, list(range(i, 64, 4))), flags=["nsw"])
+    return acc
+
+
+def _make_tiles(isa: str):
+    """{(kind, tile rows): intrinsic} of the micro-kernel for `isa` (see quants_int8._dot_isa):
+    ``tile(panel, xq, xd, xs, xi, t0, tmp)`` writes tmp[t0 + t, :] for t < tile rows."""
+    v16i, v16f, v64b = _vec(_I32, 16), _vec(_F32T, 16), _vec(_I8, 64)
+
+    def make(kind, tt):
+        _, _, groups, pbs, bias, has_m = _KINDS[kind]
+
+        def codegen(context, builder, sig, args):
+            arrs = [context.make_array(ty)(context, builder, a) for ty, a in zip(sig.args[:5], args[:5])]
+            pp, qp, dp, sp, ip = (a.data for a in arrs)
+            t0 = context.cast(builder, args[5], sig.args[5], types.intp)
+            tmp = context.make_array(sig.args[6])(context, builder, args[6]).data
+            n = builder.extract_value(arrs[1].shape, 1)
+            nb = builder.sdiv(n, ir.Constant(n.type, 32))
+            c = lambda v: ir.Constant(n.type, v)  # noqa: E731
+            rows = [builder.add(t0, c(t)) for t in range(tt)]
+            xrow = [builder.bitcast(builder.gep(qp, [builder.mul(r, n)]), _I8.as_pointer()) for r in rows]
+            brow = [builder.mul(r, nb) for r in rows]
+            acc = [cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for _ in range(tt)]
+            with cgutils.for_range(builder, nb) as loop:
+                b = loop.index
+                ob = builder.mul(b, c(pbs))
+                xo = builder.mul(b, c(32))
+                isum = [ir.Constant(v16i, [0] * 16)] * tt
+
+                def x4(t, col):  # the 4 bytes of row t's x from column 32 b + col, in every lane
+                    w = _ir_load(builder, xrow[t], builder.add(xo, c(col)), _I32, 1)
+                    return builder.bitcast(_ir_splat(builder, w, 16), v64b)
+
+                for k in range(groups):
+                    v = _ir_load(builder, pp, builder.add(ob, c(64 * k)), v64b, 1)
+                    if kind == "q8_0":
+                        parts = [(v, 4 * k)]
+                    else:
+                        parts = [(builder.and_(v, _const_vec(_I8, 64, 15)), 4 * k),
+                                 (builder.lshr(v, _const_vec(_I8, 64, 4)), 16 + 4 * k)]
+                    for u, col in parts:
+                        for t in range(tt):
+                            isum[t] = _ir_dpbusd(builder, isum[t], u, x4(t, col), isa)
+                od = builder.add(ob, c(64 * groups))
+                dw = _ir_f16_vec(builder, _ir_load(builder, pp, od, _vec(_I16, 16), 1))
+                mw = _ir_f16_vec(builder, _ir_load(builder, pp, builder.add(od, c(32)), _vec(_I16, 16), 1)) \
+                    if has_m else None
+                for t in range(tt):
+                    at = builder.add(brow[t], b)
+                    s = isum[t]
+                    if bias:
+                        xi = _ir_load(builder, ip, at, _I32, 4)
+                        s = builder.sub(s, _ir_splat(builder, builder.mul(xi, ir.Constant(_I32, bias)), 16))
+                    scale = builder.fmul(dw, _ir_splat(builder, _ir_load(builder, dp, at, _F32T, 4), 16))
+                    a = _ir_call(builder, "llvm.fma.v16f32", v16f,
+                                 [builder.sitofp(s, v16f), scale, builder.load(acc[t])])
+                    if has_m:
+                        a = _ir_call(builder, "llvm.fma.v16f32", v16f,
+                                     [mw, _ir_splat(builder, _ir_load(builder, sp, at, _F32T, 4), 16), a])
+                    builder.store(a, acc[t])
+            for t in range(tt):
+                ptr = builder.bitcast(builder.gep(tmp, [builder.mul(rows[t], c(PANEL))]), v16f.as_pointer())
+                builder.store(builder.load(acc[t]), ptr, align=4)
+            return context.get_dummy_value()
+
+        def ok(panel, xq, xd, xs, xi, t0, tmp):
+            def c_array(ty, ndim, dtype):
+                return isinstance(ty, types.Array) and ty.ndim == ndim and ty.layout == "C" and ty.dtype == dtype
+            return (c_array(panel, 1, types.uint8) and c_array(xq, 2, types.int8) and c_array(xd, 2, types.float32)
+                    and c_array(xs, 2, types.float32) and c_array(xi, 2, types.int32)
+                    and isinstance(t0, types.Integer) and c_array(tmp, 2, types.float32))
+
+        def tile(typingctx, panel, xq, xd, xs, xi, t0, tmp):
+            if not ok(panel, xq, xd, xs, xi, t0, tmp):
+                return None
+            return types.none(panel, xq, xd, xs, xi, t0, tmp), codegen
+
+        tile.__name__ = f"_tile_{kind}_{tt}"
+        return intrinsic(tile)
+
+    return {(kind, tt): make(kind, tt) for kind in _KINDS for tt in (_TT, 1)}
+
+
+_TILES = _make_tiles(DOT_ISA)
+_t41, _t44 = _TILES["q4_1", 1], _TILES["q4_1", _TT]
+_t01, _t04 = _TILES["q4_0", 1], _TILES["q4_0", _TT]
+_t81, _t84 = _TILES["q8_0", 1], _TILES["q8_0", _TT]
+
+
+@njit(cache=True)
+def _panel_rows(code, pw, p, xq, xd, xs, xi, tmp):
+    """tmp[t, i] = dot(row 16 p + i of the weight whose panels are `pw`, x_t) for every
+    activation row t (tmp: (T, 16) float32), tiles of _TT rows and then single rows."""
+    T = xq.shape[0]
+    full = T - T % _TT
+    panel = pw[p]
+    if code == _Q4_1:
+        for t0 in range(0, full, _TT):
+            _t44(panel, xq, xd, xs, xi, t0, tmp)
+        for t0 in range(full, T):
+            _t41(panel, xq, xd, xs, xi, t0, tmp)
+    elif code == _Q8_0:
+        for t0 in range(0, full, _TT):
+            _t84(panel, xq, xd, xs, xi, t0, tmp)
+        for t0 in range(full, T):
+            _t81(panel, xq, xd, xs, xi, t0, tmp)
+    else:
+        for t0 in range(0, full, _TT):
+            _t04(panel, xq, xd, xs, xi, t0, tmp)
+        for t0 in range(full, T):
+            _t01(panel, xq, xd, xs, xi, t0, tmp)
+
+
+@njit(cache=True)
+def _store(tmp, out, p, rows):
+    """out[:, 16 p + i] = tmp[:, i] for the panel's rows that exist."""
+    for t in range(tmp.shape[0]):
+        for i in range(min(PANEL, rows - p * PANEL)):
+            out[t, p * PANEL + i] = tmp[t, i]
+
+
+@njit(parallel=True, cache=True)
+def _matmul_panels(code, pw, rows, xq, xd, xs, xi, out):
+    """out (T, rows) = x @ W.T for the panels `pw` of a weight of `rows` rows, parallel over panels."""
+    for p in prange(pw.shape[0]):
+        tmp = np.empty((xq.shape[0], PANEL), np.float32)
+        _panel_rows(code, pw, p, xq, xd, xs, xi, tmp)
+        _store(tmp, out, p, rows)
+
+
+@njit(parallel=True, cache=True)
+def _qkv_panels(cq, pq, ck, pk, cv, pv, xq, xd, xs, xi, q, k, v):
+    """q, k, v = x @ Wq.T, x @ Wk.T, x @ Wv.T in one parallel region over all their panels."""
+    nq, nk = pq.shape[0], pk.shape[0]
+    for c in prange(nq + nk + pv.shape[0]):
+        tmp = np.empty((xq.shape[0], PANEL), np.float32)
+        if c < nq:
+            _panel_rows(cq, pq, c, xq, xd, xs, xi, tmp)
+            _store(tmp, q, c, q.shape[1])
+        elif c < nq + nk:
+            _panel_rows(ck, pk, c - nq, xq, xd, xs, xi, tmp)
+            _store(tmp, k, c - nq, k.shape[1])
+        else:
+            _panel_rows(cv, pv, c - nq - nk, xq, xd, xs, xi, tmp)
+            _store(tmp, v, c - nq - nk, v.shape[1])
+
+
+@njit(parallel=True, cache=True)
+def _gate_up_panels(cg, pg, cu, pu, xq, xd, xs, xi, out, act):
+    """out = act(x @ Wg.T) * (x @ Wu.T), the GLU fused per panel (act: a code of nn.ACTS)."""
+    T, rows = out.shape
+    for p in prange(pg.shape[0]):
+        g = np.empty((T, PANEL), np.float32)
+        u = np.empty((T, PANEL), np.float32)
+        _panel_rows(cg, pg, p, xq, xd, xs, xi, g)
+        _panel_rows(cu, pu, p, xq, xd, xs, xi, u)
+        for t in range(T):
+            for i in range(min(PANEL, rows - p * PANEL)):
+                out[t, p * PANEL + i] = _glu1(g[t, i], u[t, i], act)
+
+
+def matmul_panels(panels: np.ndarray, qtype, rows: int, x) -> np.ndarray:
+    """x @ W.T (T, rows) for a weight W of `rows` rows given by its panels (`pack_panels`) and
+    activation rows x (T, n), x quantized to int8 blocks."""
+    kind = _CODES.get(int(qtype))
+    if kind is None:
+        raise ValueError(f"no panel kernels for type {qtype!r}; they exist for Q4_0, Q4_1 and Q8_0")
+    xq, xd, xs, xi = quantize_rows(x)
+    pbs = _KINDS[kind][3]
+    if panels.dtype != np.uint8 or panels.ndim != 2 or panels.shape != ((rows + PANEL - 1) // PANEL,
+                                                                         xq.shape[1] // 32 * pbs):
+        raise ValueError(f"panels of shape {panels.shape} do not hold a {kind} weight of {rows} rows and "
+                         f"{xq.shape[1]} columns; make them with pack_panels")
+    out = np.empty((xq.shape[0], rows), np.float32)
+    _matmul_panels(int(qtype), np.ascontiguousarray(panels), rows, xq, xd, xs, xi, out)
+    return out

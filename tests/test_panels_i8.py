@@ -1,0 +1,157 @@
+"""npllama.kernels.panels_i8: int8-activation products of many rows on weight panels, against
+gguf's dequantization and a float64 dot with the dequantized int8 activations, for every
+instruction set the micro-kernel can be compiled for on this machine."""
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+import gguf.quants
+from numba import njit
+
+from npllama.kernels import panels_i8 as P
+from npllama.kernels.nn import ACTS
+from test_quants_int8 import full_range_weight, ref_quantize, runnable_isas
+
+TYPES = [QT.Q4_0, QT.Q4_1, QT.Q8_0]
+_KERNELS = {}
+
+
+def panel_kernel(isa, qtype):
+    """njit (pw, rows, xq, xd, xs, xi, out): `_matmul_panels` with the tiles of `isa` (serial,
+    not cached): tiles of _TT rows, then single rows, as _panel_rows."""
+    key = (isa, qtype)
+    if key not in _KERNELS:
+        tiles = P._make_tiles(isa)
+        kind = P._CODES[int(qtype)]
+        tt, one = tiles[kind, P._TT], tiles[kind, 1]
+        TT, W = P._TT, P.PANEL
+
+        @njit
+        def run(pw, rows, xq, xd, xs, xi, out):
+            T = xq.shape[0]
+            full = T - T % TT
+            tmp = np.empty((T, W), np.float32)
+            for p in range(pw.shape[0]):
+                for t0 in range(0, full, TT):
+                    tt(pw[p], xq, xd, xs, xi, t0, tmp)
+                for t0 in range(full, T):
+                    one(pw[p], xq, xd, xs, xi, t0, tmp)
+                for t in range(T):
+                    for i in range(min(W, rows - p * W)):
+                        out[t, p * W + i] = tmp[t, i]
+        _KERNELS[key] = run
+    return _KERNELS[key]
+
+
+def reference(data, qtype, rows, x):
+    """float64 x_q @ W.T: W from gguf's dequantization, x_q the dequantized int8 blocks of x."""
+    w = gguf.quants.dequantize(data, qtype).reshape(rows, -1).astype(np.float64)
+    xq = np.stack([np.asarray(ref_quantize(r)[0], np.float64) * np.repeat(ref_quantize(r)[1], 32) for r in x])
+    return xq @ w.T, np.abs(xq) @ np.abs(w).T
+
+
+def assert_close(out, data, qtype, rows, x):
+    ref, mag = reference(data, qtype, rows, x)
+    assert out.shape == ref.shape
+    np.testing.assert_array_less(np.abs(out - ref), 2e-6 * mag + 1e-30)
+
+
+@pytest.mark.parametrize("isa", runnable_isas())
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_products_every_isa(isa, qtype):
+    rng = np.random.default_rng(int(qtype))
+    for rows, blocks, T in ((1, 1, 1), (16, 1, 4), (17, 2, 5), (37, 3, 9), (5, 18, 3), (33, 7, 8)):
+        data = full_range_weight(qtype, rows, blocks, rng)
+        x = rng.normal(size=(T, 32 * blocks)).astype(np.float32)
+        x[0, :32] *= 100.0
+        xq, xd, xs, xi = P.quantize_rows(x)
+        out = np.full((T, rows), np.nan, np.float32)
+        panel_kernel(isa, qtype)(P.pack_panels(data, qtype), rows, xq, xd, xs, xi, out)
+        assert_close(out, data, qtype, rows, x)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_matmul_panels(qtype):
+    """The compiled, parallel product; odd shapes, one row, non-contiguous input."""
+    rng = np.random.default_rng(3)
+    for rows, blocks, T in ((1, 1, 1), (3, 2, 1), (40, 5, 6), (64, 18, 17)):
+        data = full_range_weight(qtype, rows, blocks, rng)
+        pw = P.pack_panels(data, qtype)
+        assert pw.shape == ((rows + 15) // 16, blocks * P._KINDS[P._CODES[int(qtype)]][3])
+        x = rng.normal(size=(T, 2 * 32 * blocks)).astype(np.float32)[:, ::2]  # not contiguous
+        out = P.matmul_panels(pw, qtype, rows, x)
+        assert_close(out, data, qtype, rows, x)
+        np.testing.assert_array_equal(out, P.matmul_panels(pw, qtype, rows, np.ascontiguousarray(x)))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_rows_do_not_depend_on_their_neighbours(qtype):
+    """A row's products are the same bits alone, first or last in a tile, or in the tail."""
+    rng = np.random.default_rng(5)
+    rows, blocks = 24, 4
+    data = full_range_weight(qtype, rows, blocks, rng)
+    pw = P.pack_panels(data, qtype)
+    x = rng.normal(size=(11, 32 * blocks)).astype(np.float32)
+    together = P.matmul_panels(pw, qtype, rows, x)
+    for t in range(len(x)):
+        np.testing.assert_array_equal(P.matmul_panels(pw, qtype, rows, x[t:t + 1])[0], together[t])
+    np.testing.assert_array_equal(P.matmul_panels(pw, qtype, rows, x[3:10]), together[3:10])
+
+
+def test_quantize_rows_as_the_decode_step():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(3, 96)).astype(np.float32)
+    x[1, 40] = 1e6
+    x[2, :32] = 0.0
+    xq, xd, xs, xi = P.quantize_rows(x)
+    for t in range(3):
+        qs, d, s = ref_quantize(x[t])
+        np.testing.assert_array_equal(xq[t], qs)
+        np.testing.assert_array_equal(xd[t], d)
+        np.testing.assert_array_equal(xs[t], s)
+        np.testing.assert_array_equal(xi[t], qs.reshape(-1, 32).astype(np.int64).sum(1))
+
+
+def test_a_nan_row_stays_in_its_row():
+    rng = np.random.default_rng(2)
+    data = full_range_weight(QT.Q4_1, 20, 2, rng)
+    x = rng.normal(size=(5, 64)).astype(np.float32)
+    x[2, 7] = np.nan
+    out = P.matmul_panels(P.pack_panels(data, QT.Q4_1), QT.Q4_1, 20, x)
+    assert np.isnan(out[2]).all()
+    assert np.isfinite(np.delete(out, 2, axis=0)).all()
+
+
+def test_fused_products():
+    """q/k/v in one region and the GLU fused per panel, against the single products."""
+    rng = np.random.default_rng(4)
+    T, blocks = 6, 3
+    ws = {n: (full_range_weight(t, r, blocks, rng), t, r)
+          for n, t, r in (("q", QT.Q4_1, 40), ("k", QT.Q8_0, 16), ("v", QT.Q4_0, 9), ("g", QT.Q4_1, 33),
+                          ("u", QT.Q8_0, 33))}
+    pw = {n: P.pack_panels(d, t) for n, (d, t, r) in ws.items()}
+    x = rng.normal(size=(T, 32 * blocks)).astype(np.float32)
+    xr = P.quantize_rows(x)
+    single = {n: P.matmul_panels(pw[n], t, r, x) for n, (d, t, r) in ws.items()}
+    q, k, v = (np.empty((T, ws[n][2]), np.float32) for n in "qkv")
+    P._qkv_panels(int(QT.Q4_1), pw["q"], int(QT.Q8_0), pw["k"], int(QT.Q4_0), pw["v"], *xr, q, k, v)
+    for n, a in zip("qkv", (q, k, v)):
+        np.testing.assert_array_equal(a, single[n])
+    out = np.empty((T, 33), np.float32)
+    P._gate_up_panels(int(QT.Q4_1), pw["g"], int(QT.Q8_0), pw["u"], *xr, out, ACTS["silu"])
+    g = single["g"].astype(np.float64)
+    np.testing.assert_allclose(out, g / (1 + np.exp(-g)) * single["u"], rtol=1e-5, atol=1e-6)
+
+
+def test_errors():
+    rng = np.random.default_rng(0)
+    data = full_range_weight(QT.Q4_1, 4, 2, rng)
+    with pytest.raises(ValueError, match="no panel kernels for type"):
+        P.pack_panels(data, QT.Q5_0)
+    with pytest.raises(ValueError, match="uint8 array of shape"):
+        P.pack_panels(data[:, :30], QT.Q4_1)
+    pw = P.pack_panels(data, QT.Q4_1)
+    with pytest.raises(ValueError, match="do not hold a q4_1 weight"):
+        P.matmul_panels(pw, QT.Q4_1, 4, np.zeros((2, 96), np.float32))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        P.matmul_panels(pw, QT.Q4_1, 4, np.zeros((2, 60), np.float32))
+    assert P.has_panels(QT.Q8_0) and not P.has_panels(QT.Q4_K)
