@@ -61,6 +61,37 @@ def test_packed_batch_equals_single_sessions_q8(q8_model):
     check_batch_equals_sessions(q8_model, 4)
 
 
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_1])
+def test_int8_packed_pass_does_not_depend_on_the_batch(tmp_path, qtype):
+    """With int8 activations (the panel kernels), a sequence's logits in a packed pass are the
+    same bits as in a pass of its own, prefill and decode; and near the exact mode's."""
+    path = write_tiny_llama(tmp_path / "m.gguf", qtype=qtype)
+    prompts, nxt = prompts_of(LENGTHS), [[11], [12], [13], [14]]
+
+    def run(m, prompts, nxt):
+        pool = KVPool.for_model(m, tokens=128, page_size=4)
+        seqs = [pool.new_seq() for _ in prompts]
+        pre = forward_batch(m, pool, seqs, prompts, all_logits=True)
+        return pre, forward_batch(m, pool, seqs, nxt)
+
+    fast = npllama.Model(path, threads=2, activations="int8")
+    pre, dec = run(fast, prompts, nxt)
+    for i in range(len(prompts)):
+        pre1, dec1 = run(fast, prompts[i:i + 1], nxt[i:i + 1])
+        np.testing.assert_array_equal(pre1[0], pre[i])
+        np.testing.assert_array_equal(dec1[0], dec[i])
+    ref_pre, ref_dec = run(npllama.Model(path, threads=2, kv_dtype=np.float16), prompts, nxt)
+    for a, b in zip(ref_pre + ref_dec, pre + dec):
+        assert 0 < np.abs(a - b).max() < 3e-2 * np.abs(a).max()
+
+
+def test_int8_generate_many_does_not_depend_on_the_batch(tmp_path):
+    m = npllama.Model(write_tiny_llama(tmp_path / "m.gguf", qtype=QT.Q4_1), threads=2, activations="int8")
+    prompts = prompts_of((4, 9, 2, 15, 6), seed=5)
+    alone = [generate_many(m, [p], temperature=0, max_tokens=8)[0] for p in prompts]
+    assert generate_many(m, prompts, temperature=0, max_tokens=8, max_batch=3, page_size=4) == alone
+
+
 def test_packed_batch_in_chunks_and_through_blas(model, monkeypatch):
     from npllama.engine import batch
     monkeypatch.setattr(batch, "CHUNK_TOKENS", 5)  # chunks cut through the sequences
@@ -361,6 +392,18 @@ def test_default_model_generate_many_is_token_identical(default_model):
     for a, b in zip(alone, together):
         assert [t.id for t in a.tokens] == [t.id for t in b.tokens]
         assert a.text == b.text
+
+
+@pytest.mark.model
+def test_default_model_int8_complete_many_is_token_identical(default_model_path):
+    """int8 activations: requests batched together give the tokens each gives through the
+    scheduler alone (the packed pass, whose products do not depend on the batch)."""
+    m = npllama.Model(default_model_path, activations="int8")
+    prompts = ["Once upon a time", m.format_chat([{"role": "user", "content": "Name three colors."}]),
+               "def fibonacci(n):", "In a distant galaxy, far beyond the reach of any telescope, a small robot"]
+    alone = [complete_many(m, [p], temperature=0, max_tokens=12)[0] for p in prompts]
+    together = complete_many(m, prompts, temperature=0, max_tokens=12, max_batch=4)
+    assert [[t.id for t in a.tokens] for a in alone] == [[t.id for t in b.tokens] for b in together]
 
 
 # =============================================================================================

@@ -85,19 +85,19 @@ def test_long_decode_matches_reference(tmp_path, variant, threads):
 
 @pytest.mark.parametrize("qtype", [QT.F32, QT.Q8_0, QT.Q4_0, QT.Q4_1])
 def test_int8_activations_decode_is_close(tmp_path, qtype):
-    """The opt-in int8 mode: decode logits near the exact ones (activations quantized per
-    block of 32 to int8 lose about 2^-8 relative precision), prefill unchanged (with the
-    same float32 KV cache: int8 mode's default float16 cache is tested apart)."""
+    """The opt-in int8 mode: prefill (the panel kernels) and decode (the fused step) logits near
+    the exact ones (activations quantized per block of 32 to int8 lose about 2^-8 relative
+    precision), with the same float32 KV cache (int8 mode's default float16 cache is tested
+    apart)."""
     path = write_tiny_llama(tmp_path / "m.gguf", qtype=qtype)
     exact, fast = npllama.Model(path), npllama.Model(path, activations="int8", kv_dtype=np.float32)
-    a, b = exact.session(), fast.session()
-    np.testing.assert_array_equal(a.feed(IDS[:4]), b.feed(IDS[:4]))
-    la = np.stack([a.feed([t]) for t in IDS[4:]])
-    lb = np.stack([b.feed([t]) for t in IDS[4:]])
-    err = np.abs(la - lb).max() / np.abs(la).max()
-    assert err < (1e-6 if qtype == QT.F32 else 3e-2)
-    if qtype != QT.F32:
-        assert err > 0  # the int8 kernels really ran
+    la, lb = (np.concatenate([s.feed(IDS[:4], all_logits=True)] + [s.feed([t])[None] for t in IDS[4:]])
+              for s in (exact.session(), fast.session()))
+    for rows in slice(0, 4), slice(4, None):  # prefill, decode
+        err = np.abs(la[rows] - lb[rows]).max() / np.abs(la[rows]).max()
+        assert err < (1e-6 if qtype == QT.F32 else 3e-2)
+        if qtype != QT.F32:
+            assert err > 0  # the int8 kernels really ran
     with pytest.raises(ValueError, match="activations must be"):
         npllama.Model(path, activations="int4")
 

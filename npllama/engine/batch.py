@@ -13,9 +13,9 @@ keys through its page table. There is no padding, so no mask: a token of sequenc
 position p sees exactly positions 0..p of sequence b. (`batch_mask` shows the padded
 alternative, for callers of `attention.attend`.)
 
-Products: the packed activations go through the row kernels of npllama.rows, which read
-every weight once per pass (q/k/v share one parallel region, gate/up and the GLU another;
-the per-token norms and RoPE run serially). Passes run in chunks of CHUNK_TOKENS packed
+Products: the packed activations go through the row kernels (engine/ops.py: RowOps, or with
+int8 activations PanelOps), which read every weight once per pass (q/k/v share one parallel
+region, gate/up and the GLU another; the per-token norms and RoPE run serially). Passes run in chunks of CHUNK_TOKENS packed
 tokens (a later chunk attends to keys an earlier one wrote), which keeps the activations in
 cache. Weights whose sizes are not whole 32-element blocks take the tiled-dequant + BLAS
 path, as Model.forward's prefill does.
@@ -32,11 +32,11 @@ import numpy as np
 from ..cache.kvpool import KVPool, PoolSeq
 from ..kernels.attention import MASKED
 from ..kernels.f16 import bits
-from ..kernels.nn import ACTS
 from ..kernels.paged_attention import _paged_kernel, plan_blocks
-from ..kernels.rows import _gate_up_rows, _matmul_rows, _qkv_rows, _rmsnorm_rows, _rope_rows, matmul_rows
+from ..kernels.rows import _rmsnorm_rows
 from ..kernels.threads import check_threads, using_threads
 from . import block
+from .ops import PanelOps, RowOps, fits_rows
 
 __all__ = ["forward_batch", "decode_alone", "batch_mask"]
 
@@ -88,8 +88,7 @@ def forward_batch(model, pool: KVPool, seqs: Sequence[PoolSeq], token_lists, *, 
     scale = np.float32(cfg.attn_scale)
     kv_bufs = [bits(b) for b in pool.buffers()]
     threads = check_threads(threads) or model.threads
-    dims = (cfg.n_embd, cfg.q_dim) + ((cfg.n_ff_exp,) if cfg.n_expert else (cfg.n_ff,))
-    rows_kernels = USE_ROW_KERNELS and all(n % 32 == 0 for n in dims)
+    rows_kernels = USE_ROW_KERNELS and fits_rows(cfg)
     chunk = CHUNK_TOKENS if rows_kernels else _BLAS_CHUNK
     end = int(positions.max()) + 1
     ends = np.cumsum(counts)
@@ -109,12 +108,11 @@ def forward_batch(model, pool: KVPool, seqs: Sequence[PoolSeq], token_lists, *, 
                 _paged_kernel(q, kv_bufs[li], tables, *blocks, scale, window, a)
                 return a
 
-            ops = RowOps(cfg, paged_attention) if rows_kernels else block.Ops(cfg, lambda w, h: w @ h,
-                                                                                paged_attention)
+            ops = _ops(model, paged_attention, rows_kernels)
             x = block.run_layers(model, block.embed(model, ids[c0:c1]), positions[c0:c1], ops, end)
             lo, hi = np.searchsorted(want, (c0, c1))
             hidden[lo:hi] = x[want[lo:hi] - c0]
-        logits = _head(model, hidden, rows_kernels)
+        logits = _head(model, hidden, _ops(model, None, rows_kernels))
     for s, t in zip(seqs, ids_list):
         pool.commit(s, t)
     if not all_logits:
@@ -122,9 +120,19 @@ def forward_batch(model, pool: KVPool, seqs: Sequence[PoolSeq], token_lists, *, 
     return np.split(logits, ends[:-1])
 
 
+def _ops(model, attention, rows_kernels):
+    """The pass's pieces: PanelOps with int8 activations, else RowOps; with weights whose sizes
+    are not whole blocks, every product through the tiled-dequant + BLAS path."""
+    if not rows_kernels:
+        return block.Ops(model.config, lambda w, h: w @ h, attention)
+    return PanelOps(model, attention) if model.activations == "int8" else RowOps(model.config, attention)
+
+
 def decodes_alone(model) -> bool:
-    """Whether `decode_alone` applies to `model`: exact (float32) activations, as the packed
-    pass's products, and no mixture of experts (which the fused step does not run)."""
+    """Whether `decode_alone` applies to `model`: exact (float32) activations, and no mixture
+    of experts (which the fused step does not run). With int8 activations a token's products
+    depend on the last bit of its input (its quantization rounds), so a lone sequence takes
+    the packed pass as in a batch: its results then do not depend on the batch."""
     return model.activations == "f32" and not model.config.n_expert
 
 
@@ -139,54 +147,13 @@ def decode_alone(model, pool: KVPool, seq: PoolSeq, token: int, *, threads: int 
     return model.decode_plan.step_paged(int(token), pool, seq, check_threads(threads) or model.threads)
 
 
-class RowOps(block.Ops):
-    """The batched path's pieces: the row kernels of npllama.kernels.rows (one parallel region for
-    q/k/v, one for gate/up with the activation), serial per-token norms and RoPE."""
-
-    def __init__(self, cfg, attention):
-        super().__init__(cfg, _product_rows, attention)
-        self.eps = np.float32(cfg.rms_eps)
-        self.act = ACTS[cfg.act]
-
-    def norm(self, x, w):
-        x2 = x.reshape(-1, x.shape[-1])
-        out = np.empty_like(x2)
-        _rmsnorm_rows(x2, w, self.eps, out)
-        return out.reshape(x.shape)
-
-    def qkv(self, L, h):
-        T = h.shape[0]
-        q = np.empty((T, L.wq.rows), np.float32)
-        k = np.empty((T, L.wk.rows), np.float32)
-        v = np.empty((T, L.wv.rows), np.float32)
-        _qkv_rows(int(L.wq.qtype), L.wq.data, int(L.wk.qtype), L.wk.data, int(L.wv.qtype), L.wv.data, h, q, k, v, 16)
-        return q, k, v
-
-    def glu(self, gate, up, h):
-        out = np.empty((h.shape[0], gate.rows), np.float32)
-        _gate_up_rows(int(gate.qtype), gate.data, int(up.qtype), up.data, h, out, 16, self.act)
-        return out
-
-    def rope(self, x, positions, cos, sin):
-        _rope_rows(x, positions, cos, sin, self.cfg.rope_neox)
-
-
-def _product_rows(w, h):
-    """h @ w.T by the row kernels (h: T contiguous float32 rows)."""
-    out = np.empty((h.shape[0], w.rows), np.float32)
-    _matmul_rows(int(w.qtype), w.data, np.ascontiguousarray(h), out, 16)
-    return out
-
-
-def _head(model, x, rows_kernels):
-    """Logits (rows, n_vocab) of final hidden states x (rows, n_embd)."""
+def _head(model, x, ops):
+    """Logits (rows, n_vocab) of final hidden states x (rows, n_embd), by `ops`' products."""
     h = np.empty_like(x)
     _rmsnorm_rows(x, model.output_norm, np.float32(model.config.rms_eps), h)
-    if not rows_kernels:
-        return block.softcap(model.output @ h, model.config.softcap)
     out = np.empty((len(h), model.output.rows), np.float32)
     for c0 in range(0, len(h), CHUNK_TOKENS):
-        out[c0:c0 + CHUNK_TOKENS] = matmul_rows(model.output, h[c0:c0 + CHUNK_TOKENS])
+        out[c0:c0 + CHUNK_TOKENS] = ops.product(model.output, h[c0:c0 + CHUNK_TOKENS])
     return block.softcap(out, model.config.softcap)
 
 

@@ -10,6 +10,7 @@ state, and a `Session` (session.py) is the friendly way to drive it.
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 
@@ -20,11 +21,13 @@ from ..errors import GGUFError, PositionError
 from ..gguf.reader import GGUFFile, ModelConfig
 from ..kernels.attention import attend
 from ..kernels.nn import rmsnorm
+from ..kernels.panels_i8 import has_panels, pack_panels
 from ..kernels.rope import Ropes
 from ..kernels.rows import matmul_rows as mm  # x @ W.T reading each weight row once, for a few to hundreds of rows
 from ..kernels.threads import check_threads, physical_cores, using_threads
 from ..text.chat import validate_messages
 from . import block
+from .ops import PanelOps, fits_rows
 
 __all__ = ["Transformer", "Layer", "QWeight"]
 
@@ -85,6 +88,8 @@ class Transformer:
                 raise GGUFError(f"{self.path}: {e}") from None
         self._tokenizer = None
         self._plan = None
+        self._panels: dict[str, np.ndarray] = {}
+        self._panels_lock = threading.Lock()
 
     # ---- text ---------------------------------------------------------------------------
     @property
@@ -182,6 +187,16 @@ class Transformer:
             self._plan = DecodePlan(self, int8=self.activations == "int8")
         return self._plan
 
+    def panels(self, w: QWeight) -> np.ndarray | None:
+        """With int8 activations, the panels (kernels/panels_i8.py) of a weight of a type that
+        has them, packed at first use and kept (the size of the weight again); else None."""
+        if self.activations != "int8" or not has_panels(w.qtype) or w.cols % 32:
+            return None
+        with self._panels_lock:
+            if w.name not in self._panels:
+                self._panels[w.name] = pack_panels(w.data, w.qtype)
+            return self._panels[w.name]
+
     def _run(self, ids: np.ndarray, cache: KVCache, all_logits: bool, output: str, threads: int) -> np.ndarray:
         """`forward` for checked arguments (int64 ids, a cache shaped for this model) at
         position cache.length. Kept short for one token: every line runs once per decoded
@@ -220,11 +235,16 @@ class Transformer:
             cache.append(li, k, v)
             return attend(q, cache.buffer(li), cache.layer_length(li), window=window, scale=cfg.attn_scale)
 
-        x = block.run_layers(self, block.embed(self, ids), positions, block.Ops(cfg, mm, cached_attention), end)
+        # int8 activations: products by the panel kernels where the weights have them
+        if self.activations == "int8" and fits_rows(cfg):
+            ops = PanelOps(self, cached_attention)
+        else:
+            ops = block.Ops(cfg, mm, cached_attention)
+        x = block.run_layers(self, block.embed(self, ids), positions, ops, end)
         if output == "hidden":
             return rmsnorm(x, self.output_norm, cfg.rms_eps)
         if not all_logits:
             x = x[-1:]
-        logits = mm(self.output, rmsnorm(x, self.output_norm, cfg.rms_eps))  # (S or 1, n_vocab)
+        logits = ops.product(self.output, rmsnorm(x, self.output_norm, cfg.rms_eps))  # (S or 1, n_vocab)
         block.softcap(logits, cfg.softcap)
         return logits if all_logits else logits[0]

@@ -1,0 +1,107 @@
+"""How the block's pieces are computed for many tokens at once (block.Ops' subclasses).
+
+`RowOps`: the exact mode's batched path; products by the row kernels of kernels/rows.py (one
+parallel region for q/k/v, one for gate/up with the activation), serial per-token norms and
+RoPE.
+
+`PanelOps`: the int8 mode's prefill and batched paths; as RowOps, but the products of weights
+with panel kernels (Q4_0, Q4_1, Q8_0: kernels/panels_i8.py) quantize their input rows to int8
+blocks (once for q/k/v and once for gate/up) and run on the weight's panels, which the model
+packs at first use (`Transformer.panels`). Each token's products depend only on its own row,
+so a token gives the same results in a batch as alone. Weights of other types take RowOps'.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..kernels.nn import ACTS
+from ..kernels.panels_i8 import _gate_up_panels, _matmul_panels, _qkv_panels, quantize_rows
+from ..kernels.rows import _gate_up_rows, _matmul_rows, _qkv_rows, _rmsnorm_rows, _rope_rows
+from . import block
+
+__all__ = ["RowOps", "PanelOps", "fits_rows"]
+
+
+def fits_rows(cfg) -> bool:
+    """Whether the row kernels can compute `cfg`'s products: every product's input is whole
+    blocks of 32 (else they take the tiled-dequant + BLAS path)."""
+    dims = (cfg.n_embd, cfg.q_dim) + ((cfg.n_ff_exp,) if cfg.n_expert else (cfg.n_ff,))
+    return all(n % 32 == 0 for n in dims)
+
+
+def _product_rows(w, h):
+    """h @ w.T by the row kernels (h: T contiguous float32 rows)."""
+    out = np.empty((h.shape[0], w.rows), np.float32)
+    _matmul_rows(int(w.qtype), w.data, np.ascontiguousarray(h), out, 16)
+    return out
+
+
+class RowOps(block.Ops):
+    """The exact batched path's pieces (the module's docstring)."""
+
+    def __init__(self, cfg, attention):
+        super().__init__(cfg, _product_rows, attention)
+        self.eps = np.float32(cfg.rms_eps)
+        self.act = ACTS[cfg.act]
+
+    def norm(self, x, w):
+        x2 = x.reshape(-1, x.shape[-1])
+        out = np.empty_like(x2)
+        _rmsnorm_rows(x2, w, self.eps, out)
+        return out.reshape(x.shape)
+
+    def qkv(self, L, h):
+        T = h.shape[0]
+        q = np.empty((T, L.wq.rows), np.float32)
+        k = np.empty((T, L.wk.rows), np.float32)
+        v = np.empty((T, L.wv.rows), np.float32)
+        _qkv_rows(int(L.wq.qtype), L.wq.data, int(L.wk.qtype), L.wk.data, int(L.wv.qtype), L.wv.data, h, q, k, v, 16)
+        return q, k, v
+
+    def glu(self, gate, up, h):
+        out = np.empty((h.shape[0], gate.rows), np.float32)
+        _gate_up_rows(int(gate.qtype), gate.data, int(up.qtype), up.data, h, out, 16, self.act)
+        return out
+
+    def rope(self, x, positions, cos, sin):
+        _rope_rows(x, positions, cos, sin, self.cfg.rope_neox)
+
+
+class PanelOps(RowOps):
+    """The int8 mode's pieces (the module's docstring); `model.panels(w)` gives a weight's
+    panels, or None for a weight without them."""
+
+    def __init__(self, model, attention):
+        super().__init__(model.config, attention)
+        self.panels = model.panels
+        self.product = self._product
+
+    def _product(self, w, h):
+        pw = self.panels(w)
+        if pw is None:
+            return _product_rows(w, h)
+        xq, xd, xs, xi = quantize_rows(h)
+        out = np.empty((h.shape[0], w.rows), np.float32)
+        _matmul_panels(int(w.qtype), pw, w.rows, xq, xd, xs, xi, out)
+        return out
+
+    def qkv(self, L, h):
+        pq, pk, pv = ps = [self.panels(w) for w in (L.wq, L.wk, L.wv)]
+        if any(p is None for p in ps):  # RowOps' for none with panels, else one product each
+            return (RowOps.qkv if all(p is None for p in ps) else block.Ops.qkv)(self, L, h)
+        xq, xd, xs, xi = quantize_rows(h)
+        T = h.shape[0]
+        q = np.empty((T, L.wq.rows), np.float32)
+        k = np.empty((T, L.wk.rows), np.float32)
+        v = np.empty((T, L.wv.rows), np.float32)
+        _qkv_panels(int(L.wq.qtype), pq, int(L.wk.qtype), pk, int(L.wv.qtype), pv, xq, xd, xs, xi, q, k, v)
+        return q, k, v
+
+    def glu(self, gate, up, h):
+        pg, pu = self.panels(gate), self.panels(up)
+        if pg is None or pu is None:
+            return (RowOps.glu if pg is None and pu is None else block.Ops.glu)(self, gate, up, h)
+        xq, xd, xs, xi = quantize_rows(h)
+        out = np.empty((h.shape[0], gate.rows), np.float32)
+        _gate_up_panels(int(gate.qtype), pg, int(up.qtype), pu, xq, xd, xs, xi, out, self.act)
+        return out
