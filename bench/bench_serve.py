@@ -1,7 +1,7 @@
 """`npllama serve` under concurrent load, against llama-cpp-python's server on the same model and
 threads. Never a pass/fail test.
 
-    python bench/bench_serve.py [--n 16] [--gen 64] [--threads 2] [--model PATH]
+    python bench/bench_serve.py [--n 16] [--gen 64] [--threads 2] [--model PATH] [--activations f32,int8]
         [--engines npllama,npllama-serial,llama-cpp-python,llama-cpp-python-serial]
 
 Each engine is started as its own server process on a free loopback port and sent `--n` chat
@@ -47,14 +47,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(engine: str, model: str, threads: int, n: int, gen: int, port: int) -> subprocess.Popen:
+def start(engine: str, model: str, threads: int, n: int, gen: int, port: int, activations: str = "f32") -> subprocess.Popen:
     if engine == "llama-cpp-python":
         cmd = [REF_PY, "-m", "llama_cpp.server", "--model", model, "--host", "127.0.0.1", "--port", str(port),
                "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "2048",
                "--interrupt_requests", "False"]  # by default a new request aborts the running stream
     else:
         cmd = [sys.executable, "-m", "npllama", "serve", "-m", model, "--port", str(port), "-t", str(threads),
-               "-c", str(min(2048, 256 + gen)), "--parallel", str(n), "--log-level", "warning"]
+               "-c", str(min(2048, 256 + gen)), "--parallel", str(n), "--log-level", "warning", "--activations", activations]
     env = {**os.environ, "PYTHONPATH": str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     log = tempfile.TemporaryFile("w+")  # not a pipe: a chatty server would fill it and block
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -119,6 +119,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=16, help="concurrent requests (default 16)")
     ap.add_argument("--gen", type=int, default=64, help="tokens per request at most (default 64)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--activations", default="f32,int8", help="npllama's modes (default f32,int8)")
     ap.add_argument("--engines", default="npllama,npllama-serial,llama-cpp-python,llama-cpp-python-serial")
     args = ap.parse_args()
     from npllama.gguf.hub import resolve_model
@@ -126,7 +127,8 @@ def main() -> None:
     questions = [TASKS[i % len(TASKS)].format(SUBJECTS[i % len(SUBJECTS)]) for i in range(args.n)]
     engines = args.engines.split(",")
     results = {}
-    for name in ("npllama", "llama-cpp-python"):
+    runs = [("npllama", a) for a in args.activations.split(",")] + [("llama-cpp-python", "")]
+    for name, act in runs:
         modes = [m for m in engines if m == name or m.startswith(name + "-")]
         if not modes:
             continue
@@ -137,13 +139,14 @@ def main() -> None:
                   f"pip install 'llama-cpp-python[server]' there)")
             continue
         port = free_port()
-        proc = start(name, model, args.threads, args.n, args.gen, port)
+        proc = start(name, model, args.threads, args.n, args.gen, port, act or "f32")
         url = f"http://127.0.0.1:{port}"
         try:
             for q in ("Hello!", "What is two plus two?"):  # warm up (prompts unlike the measured ones)
                 chat(url, q, args.gen)
             for mode in modes:
-                results[mode] = run(url, questions, args.gen, concurrent=not mode.endswith("-serial"))
+                label = mode.replace(name, f"{name} {act}") if act else mode
+                results[label] = run(url, questions, args.gen, concurrent=not mode.endswith("-serial"))
         finally:
             proc.terminate()
             proc.wait(30)
@@ -154,13 +157,15 @@ def main() -> None:
         label = mode.replace("-serial", " (serial)")
         print(f"{label:<26} {r['tokens']:6d} {r['wall_s']:7.2f} {r['tok_s']:7.1f} {r['ttft_p50']:9.3f} "
               f"{r['ttft_p99']:9.3f} {r['lat_p50']:8.3f} {r['lat_p99']:8.3f}")
-    if "npllama" in results:
+    for act in args.activations.split(","):
+        mine = f"npllama {act}"
+        if mine not in results:
+            continue
         for other, target in (("llama-cpp-python", " (target >= 3x)"), ("llama-cpp-python-serial", ""),
-                              ("npllama-serial", " (target >= 2x)")):
+                              (f"{mine}-serial", " (target >= 2x)")):
             if other in results:
-                print(f"npllama {args.n}-stream / {other}: {results['npllama']['tok_s'] / results[other]['tok_s']:.2f}x"
-                      f"{target}")
-
+                print(f"{mine} {args.n}-stream / {other.replace('-serial', ' (serial)')}: "
+                      f"{results[mine]['tok_s'] / results[other]['tok_s']:.2f}x{target}")
 
 if __name__ == "__main__":
     main()
