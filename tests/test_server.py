@@ -544,6 +544,28 @@ def test_cli_serve_refuses_a_pool_too_big_for_memory(tiny_model_path):
 
 # ---- the default model --------------------------------------------------------------------------
 @pytest.mark.model
+def test_default_model_int8_concurrent_equals_sequential(default_model_path):
+    """With int8 activations a token's products round its quantized input, so they would
+    magnify any difference in the last bit: the server computes a lone request as it computes
+    a batch, and concurrent greedy requests equal the same requests one at a time."""
+    s = Running(npllama.Model(default_model_path, activations="int8"), ctx=256, parallel=6)
+    try:
+        c = s.client()
+        questions = ["What is the capital of France?", "Name a color.", "Count to five.", "Say hello.",
+                     "Write a haiku about rain.", "Why is the sky blue?"]
+
+        def run(q):
+            return c.chat.completions.create(model="x", messages=[{"role": "user", "content": q}], max_tokens=24,
+                                             temperature=0).choices[0].message.content
+        one_by_one = [run(q) for q in questions]
+        with cf.ThreadPoolExecutor(len(questions)) as ex:
+            assert list(ex.map(run, questions)) == one_by_one
+        assert len(set(one_by_one)) == len(questions)
+    finally:
+        s.close()
+
+
+@pytest.mark.model
 def test_default_model_end_to_end(default_model):
     s = Running(default_model, ctx=512, parallel=4)
     try:

@@ -1,6 +1,8 @@
 """Run the server with uvicorn: load the model, size the engine, print the URL once listening."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import uvicorn
 
 from .app import DEFAULT_MAX_BODY, DEFAULT_MAX_QUEUE, create_app
@@ -25,7 +27,11 @@ def build(model, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | No
           parallel: int = 4, threads: int | None = None, cors_origins=(), max_body: int = DEFAULT_MAX_BODY,
           max_queue: int = DEFAULT_MAX_QUEUE, model_id: str | None = None, shutdown_timeout: float = 10.0, log_level: str = "warning",
           on_ready=None) -> _Uvicorn:
-    """A uvicorn server for a loaded `model` (not yet running: call `.run()`, or `.serve()` in a loop)."""
+    """A uvicorn server for a loaded `model` (not yet running: call `.run()`, or `.serve()` in a loop).
+
+    For speed on a machine with few cores, load the model on a thread that has ended, as
+    `serve` does (see there), or on no thread but the engine's: not on the thread that runs
+    the server."""
     engine = Engine(model, ctx=ctx, parallel=parallel, threads=threads)
     app = create_app(engine, model_id=model_id, api_key=api_key, cors_origins=cors_origins, max_body=max_body,
                      max_queue=max_queue)
@@ -41,7 +47,13 @@ def serve(model=None, *, threads: int | None = None, activations: str = "f32", k
     the server takes no new requests, lets running ones finish for up to `shutdown_timeout`
     seconds, and aborts the rest. The options are those of `build`."""
     from ..model import load
-    m = load(model, threads=threads, activations=activations, kv_dtype=kv_dtype)
+    # Loaded on a thread that then ends, so that the engine thread is the only one holding a
+    # team of Numba's OpenMP workers: while another thread (this one) holds a team, libgomp
+    # manages more threads than a small machine has cores and stops spinning between parallel
+    # regions, and each of the engine's (about 120 per batched step) then waits for its
+    # workers to wake: measured on 2 cores, 40 us a region, a lone int8 request 2.5x slower.
+    with ThreadPoolExecutor(1, thread_name_prefix="npllama-load") as ex:
+        m = ex.submit(load, model, threads=threads, activations=activations, kv_dtype=kv_dtype).result()
     server = build(m, threads=threads, **options)
     engine = server.app.state.engine
 
