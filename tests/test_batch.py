@@ -85,6 +85,28 @@ def test_int8_packed_pass_does_not_depend_on_the_batch(tmp_path, qtype):
         assert 0 < np.abs(a - b).max() < 3e-2 * np.abs(a).max()
 
 
+@pytest.mark.parametrize("window", [0, 5])
+def test_int8_packed_pass_does_not_depend_on_chunking(tmp_path, window):
+    """A prompt fed in one pass or in chunks cut anywhere gives the same bits (the scheduler cuts
+    prompts by its token budget, which other requests share): the panel products are per row,
+    and paged attention groups a row's sums the same in any query block, also with a window."""
+    extra = {"llama.attention.sliding_window": window} if window else None
+    m = npllama.Model(write_tiny_llama(tmp_path / "m.gguf", qtype=QT.Q8_0, extra_kv=extra), threads=2,
+                      activations="int8")
+    ids = prompts_of((41,), seed=9)[0]
+
+    def run(cuts):
+        pool = KVPool.for_model(m, tokens=64, page_size=4)
+        seq = pool.new_seq()
+        out = [forward_batch(m, pool, [seq], [ids[a:b]], all_logits=True)[0]
+               for a, b in zip([0] + cuts, cuts + [len(ids)])]
+        return np.concatenate(out + [forward_batch(m, pool, [seq], [[7]])[0][None]])
+
+    whole = run([])
+    for cuts in ([1], [7], [13, 14], [3, 22, 40]):
+        np.testing.assert_array_equal(run(cuts), whole)
+
+
 def test_int8_generate_many_does_not_depend_on_the_batch(tmp_path):
     m = npllama.Model(write_tiny_llama(tmp_path / "m.gguf", qtype=QT.Q4_1), threads=2, activations="int8")
     prompts = prompts_of((4, 9, 2, 15, 6), seed=5)

@@ -52,16 +52,22 @@ _NO_ALIBI = np.zeros(0, dtype=np.float32)
 def _rescale(s, n, m, l, acc):
     """One online-softmax step: fold the scores s[:, :, :n] of a block of keys into the running
     max m and sum l (R, G), rescale the running output acc (R, G, D), and turn s into the
-    block's weights exp(s - m). A row that sees no key of the block gets zero weights."""
-    R, G = m.shape
+    block's weights exp(s - m). A row that sees no key of the block gets zero weights.
+
+    The loops run over the whole scratch (s.shape[2] keys), those past n weighing 0: so a row's
+    sums are grouped the same however many keys the block holds, and its results do not
+    depend on how many rows share its task (a query alone, or in a prefill block)."""
+    R, G, B = s.shape
     neg_inf = np.float32(-np.inf)
     for r in range(R):
         for gh in range(G):
+            for j in range(n, B):
+                s[r, gh, j] = neg_inf
             bmax = neg_inf
-            for j in range(n):
+            for j in range(B):
                 bmax = max(bmax, s[r, gh, j])
             if bmax == neg_inf:
-                for j in range(n):
+                for j in range(B):
                     s[r, gh, j] = 0.0
                 continue
             m_new = max(m[r, gh], bmax)
@@ -70,7 +76,7 @@ def _rescale(s, n, m, l, acc):
             for d in range(acc.shape[2]):
                 acc[r, gh, d] *= corr
             total = np.float32(0.0)
-            for j in range(n):
+            for j in range(B):
                 p = _exp(s[r, gh, j] - m_new)
                 s[r, gh, j] = p
                 total += p

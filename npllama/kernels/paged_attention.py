@@ -47,7 +47,8 @@ def _paged_block(q, kv, table, i0, pos0, g, scale, window, m, l, acc, s):
     neg_inf = np.float32(-np.inf)
     t_end = pos0 + R  # the last row sees keys 0..pos0+R-1
     first = pos0 - window + 1 if window > 0 else -t_end  # row r sees keys first + r .. pos0 + r
-    for b0 in range(max(0, first), t_end, _BLOCK):
+    # blocks of keys from multiples of _BLOCK: a row's sums are grouped the same in any task
+    for b0 in range(max(0, first) // _BLOCK * _BLOCK, t_end, _BLOCK):
         n = min(_BLOCK, t_end - b0)
         for j in range(n):
             t = b0 + j
