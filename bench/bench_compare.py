@@ -15,6 +15,9 @@ npllama runs twice: the default exact mode, and the opt-in int8-activation mode 
 with its default float16 KV cache; llama.cpp stores its cache in float16 too). A third mode
 can be asked for with --engines: npllama-f16kv, the exact products with a float16 KV cache
 (the same cache bytes as llama.cpp's, which is what long prompts spend their time reading).
+llama.cpp-fa is llama.cpp with flash attention on (its CLI's default; llama-cpp-python's is
+off). With --prompt 4000, the long-prompt comparison of issue 21; a line then also gives each
+engine's end-to-end time (prefill and decode) and its ratio to llama.cpp-fa's.
 
 The references run in their own python (the venv of ../shared/tools/setup-refs.sh, or
 $NPLLAMA_REF_PY); each is skipped with a note when it is not installed there.
@@ -42,10 +45,10 @@ import json, sys, time
 import numpy as np
 engine, path, ids, gen, threads, repeats = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
 best_p = best_d = 0.0
-if engine == "llama.cpp":
+if engine.startswith("llama.cpp"):
     from llama_cpp import Llama
     llm = Llama(model_path=path, n_ctx=len(ids) + gen + 8, n_batch=max(512, len(ids) + gen + 8), n_threads=threads,
-                n_threads_batch=threads, verbose=False)
+                n_threads_batch=threads, flash_attn=engine == "llama.cpp-fa", verbose=False)
     for _ in range(repeats):
         llm.reset()
         t0 = time.perf_counter(); llm.eval(ids); t1 = time.perf_counter()
@@ -137,10 +140,11 @@ def main():
                     help="run every engine this many times, in turn, keeping each one's best (this "
                          "machine's speed drifts over minutes; alternating keeps the ratios fair)")
     ap.add_argument("--engines", default="npllama,npllama-int8,llama.cpp,transformers",
-                    help="comma-separated, from npllama, npllama-int8, npllama-f16kv, llama.cpp, transformers")
+                    help="comma-separated, from npllama, npllama-int8, npllama-f16kv, llama.cpp, llama.cpp-fa "
+                         "(flash attention on), transformers")
     args = ap.parse_args()
     engines = args.engines.split(",")
-    known = [*MODES, "llama.cpp", "transformers"]
+    known = [*MODES, "llama.cpp", "llama.cpp-fa", "transformers"]
     if unknown := [e for e in engines if e not in known]:
         ap.error(f"unknown engine(s) {', '.join(unknown)}; the engines are {', '.join(known)}")
 
@@ -201,6 +205,13 @@ def main():
                 med = np.median(np.array(per), axis=0)
                 print(f"{engine} per round: prefill {', '.join(f'{p:.2f}x' for p, _ in per)} (median {med[0]:.2f}x); "
                       f"decode {', '.join(f'{d:.2f}x' for _, d in per)} (median {med[1]:.2f}x)")
+    fa = results.get("llama.cpp-fa")
+    if fa:
+        def total(r):
+            return args.prompt / r["prefill"] + args.gen / r["decode"]
+        for engine, r in results.items():
+            print(f"{engine}: {args.prompt} + {args.gen} tokens end to end {total(r):.2f} s, "
+                  f"{total(fa) / total(r):.2f}x llama.cpp-fa; decode {r['decode'] / fa['decode']:.2f}x llama.cpp-fa's")
     for engine in MODES:
         if engine in results:
             r = results[engine]

@@ -40,7 +40,7 @@ from .nn import _exp
 # No 'nnan' / 'ninf': the kernels rely on -inf for removed keys and empty running maxima.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp", "afn"}
 _BLOCK = 32            # keys scored together before the running state is rescaled
-_ROWS = 4              # queries one prefill task handles together, sharing each K/V row read
+_ROWS = 8              # queries one prefill task handles together, sharing each K/V row read
 _MIN_CHUNK = 128       # fewest keys one decode task handles
 _TASKS_PER_THREAD = 4  # decode tasks wanted per thread, for load balance
 MASKED = -1e30         # mask entries at or below this remove the key
@@ -86,39 +86,65 @@ def _rescale(s, n, m, l, acc):
 
 @njit(fastmath=_FASTMATH, cache=True)
 def _accumulate(q, kv, i0, pos0, g, t0, t1, window, scale, softcap, mask, use_mask, alibi, use_alibi,
-                m, l, acc, s):
+                m, l, acc, s, kb, vb):
     """Fold keys t0..t1-1 of KV head g into the running state of query rows i0..i0+R-1.
 
     q: (S, H, D); kv: (cap, KVH, 2, D) float32, or uint16 (float16 bits: npllama.f16); row
     i0 + r sits at position pos0 + r and handles query heads g*G .. g*G+G-1. m, l: (R, G)
     running max / sum; acc: (R, G, D) running unnormalised output; s: (R, G, _BLOCK)
-    scratch. Keys a row may not see are skipped, so t0..t1 may span the union of the rows'
-    ranges.
+    scratch; kb, vb (_BLOCK, D): float32 scratch for a block's keys and values. Keys a row
+    may not see are skipped, so t0..t1 may span the union of the rows' ranges.
+
+    Each block of keys and values is converted once into kb and vb; every query vector then
+    scores four keys at a time (one load of q for four dots) and adds the weighted values
+    four keys at a time (one load and store of its output for four rows).
     """
     R, G = m.shape
     D = q.shape[2]
     h0 = g * G
     neg_inf = np.float32(-np.inf)
+    plain = window <= 0 and softcap <= 0 and not use_alibi and not use_mask
     for b0 in range(t0, t1, _BLOCK):
         n = min(_BLOCK, t1 - b0)
-        # scores: each K row is read once for all R x G query vectors
         for j in range(n):
-            t = b0 + j
-            krow = kv[t, g, 0]
-            for r in range(R):
-                i = i0 + r
-                qpos = pos0 + r
-                hidden = (t > qpos or (window > 0 and t <= qpos - window)
-                          or (use_mask and mask[i, t] <= MASKED))
-                for gh in range(G):
-                    if hidden:
+            krow = kv[b0 + j, g, 0]
+            vrow = kv[b0 + j, g, 1]
+            for d in range(D):
+                kb[j, d] = _ld(krow, d)
+                vb[j, d] = _ld(vrow, d)
+        for j in range(n, _BLOCK):  # past the block's end: finite, and weighted 0 by _rescale
+            for d in range(D):
+                kb[j, d] = 0.0
+                vb[j, d] = 0.0
+        for r in range(R):
+            i = i0 + r
+            qpos = pos0 + r
+            for gh in range(G):
+                h = h0 + gh
+                qv = q[i, h]
+                for j in range(0, _BLOCK, 4):
+                    d0 = d1 = d2 = d3 = np.float32(0.0)
+                    for d in range(D):
+                        x = qv[d]
+                        d0 += x * kb[j, d]
+                        d1 += x * kb[j + 1, d]
+                        d2 += x * kb[j + 2, d]
+                        d3 += x * kb[j + 3, d]
+                    s[r, gh, j] = d0
+                    s[r, gh, j + 1] = d1
+                    s[r, gh, j + 2] = d2
+                    s[r, gh, j + 3] = d3
+                if plain:  # causal only: scaled, and the keys past the row's position removed
+                    seen = max(0, min(n, qpos - b0 + 1))
+                    for j in range(_BLOCK):
+                        s[r, gh, j] = s[r, gh, j] * scale if j < seen else neg_inf
+                    continue
+                for j in range(n):
+                    t = b0 + j
+                    if t > qpos or (window > 0 and t <= qpos - window) or (use_mask and mask[i, t] <= MASKED):
                         s[r, gh, j] = neg_inf
                         continue
-                    h = h0 + gh
-                    dot = np.float32(0.0)
-                    for d in range(D):
-                        dot += q[i, h, d] * _ld(krow, d)
-                    x = dot * scale
+                    x = s[r, gh, j] * scale
                     if softcap > 0:
                         x = softcap * np.tanh(x / softcap)
                     if use_alibi:
@@ -127,16 +153,15 @@ def _accumulate(q, kv, i0, pos0, g, t0, t1, window, scale, softcap, mask, use_ma
                         x += mask[i, t]
                     s[r, gh, j] = x
         _rescale(s, n, m, l, acc)  # running state rescaled, scores turned into weights
-        # weighted values: each V row is read once for all R x G query vectors
-        for j in range(n):
-            vrow = kv[b0 + j, g, 1]
-            for r in range(R):
-                for gh in range(G):
-                    p = s[r, gh, j]
-                    if p == 0:
+        for r in range(R):
+            for gh in range(G):
+                a = acc[r, gh]
+                for j in range(0, _BLOCK, 4):
+                    p0, p1, p2, p3 = s[r, gh, j], s[r, gh, j + 1], s[r, gh, j + 2], s[r, gh, j + 3]
+                    if p0 == 0 and p1 == 0 and p2 == 0 and p3 == 0:
                         continue
                     for d in range(D):
-                        acc[r, gh, d] += p * _ld(vrow, d)
+                        a[d] += p0 * vb[j, d] + p1 * vb[j + 1, d] + p2 * vb[j + 2, d] + p3 * vb[j + 3, d]
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
@@ -159,10 +184,12 @@ def _decode_kernel(q, kv, t0, t1, qpos, window, chunk, scale, softcap, mask, use
         g = task // n_chunks
         c = task % n_chunks
         s = np.empty((1, G, _BLOCK), dtype=np.float32)
+        kb = np.empty((_BLOCK, D), dtype=np.float32)
+        vb = np.empty((_BLOCK, D), dtype=np.float32)
         lo = t0 + c * chunk
         hi = min(t1, lo + chunk)
         _accumulate(q, kv, 0, qpos, g, lo, hi, window, scale, softcap, mask, use_mask, alibi, use_alibi,
-                    part_m[c, g], part_l[c, g], part_acc[c, g], s)
+                    part_m[c, g], part_l[c, g], part_acc[c, g], s, kb, vb)
     _merge_chunks(part_m.reshape(n_chunks, KVH, G), part_l.reshape(n_chunks, KVH, G),
                   part_acc.reshape(n_chunks, KVH, G, D), out.reshape(KVH, G, D))
 
@@ -262,8 +289,10 @@ def _prefill_kernel(q, kv, kv_len, offset, window, scale, softcap, mask, use_mas
         l = np.zeros((R, G), dtype=np.float32)
         acc = np.zeros((R, G, D), dtype=np.float32)
         s = np.empty((R, G, _BLOCK), dtype=np.float32)
+        kb = np.empty((_BLOCK, D), dtype=np.float32)
+        vb = np.empty((_BLOCK, D), dtype=np.float32)
         _accumulate(q, kv, i0, pos0, g, t0, t1, window, scale, softcap, mask, use_mask, alibi, use_alibi,
-                    m, l, acc, s)
+                    m, l, acc, s, kb, vb)
         for r in range(R):
             for gh in range(G):
                 inv = np.float32(1.0) / l[r, gh] if l[r, gh] > 0 else np.float32(0.0)

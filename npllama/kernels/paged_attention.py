@@ -32,13 +32,15 @@ __all__ = ["paged_attend", "plan_blocks"]
 
 
 @njit(fastmath=_FASTMATH, cache=True)
-def _paged_block(q, kv, table, i0, pos0, g, scale, window, m, l, acc, s):
+def _paged_block(q, kv, table, i0, pos0, g, scale, window, m, l, acc, s, kb, vb):
     """Fold the keys of one sequence seen by query rows i0..i0+R-1 (positions pos0..pos0+R-1)
     into their running state, for the G query heads of KV head g. With window > 0, a row at
     position p sees only the keys t with p - t < window.
 
     q: (T, H, D); kv: (n_pages, ps, KVH, 2, D); table: (n_table,) page ids of the sequence.
-    m, l: (R, G); acc: (R, G, D); s: (R, G, _BLOCK) scratch.
+    m, l: (R, G); acc: (R, G, D); s: (R, G, _BLOCK) scratch; kb, vb (_BLOCK, D): float32
+    scratch for a block's keys and values (as attention._accumulate: each block converted
+    once, four keys scored and four values added at a time).
     """
     R, G = m.shape
     D = q.shape[2]
@@ -52,30 +54,43 @@ def _paged_block(q, kv, table, i0, pos0, g, scale, window, m, l, acc, s):
         n = min(_BLOCK, t_end - b0)
         for j in range(n):
             t = b0 + j
-            krow = kv[table[t // ps], t % ps, g, 0]  # (D,) view: read through the page table
-            for r in range(R):
-                if t > pos0 + r or t < first + r:  # causal, and in the window
-                    for gh in range(G):
-                        s[r, gh, j] = neg_inf
-                    continue
-                for gh in range(G):
-                    qv = q[i0 + r, h0 + gh]
-                    dot = np.float32(0.0)
+            rec = kv[table[t // ps], t % ps, g]  # (2, D) view: read through the page table
+            for d in range(D):
+                kb[j, d] = _ld(rec[0], d)
+                vb[j, d] = _ld(rec[1], d)
+        for j in range(n, _BLOCK):  # past the block's end: finite, and weighted 0 by _rescale
+            for d in range(D):
+                kb[j, d] = 0.0
+                vb[j, d] = 0.0
+        for r in range(R):
+            lo = max(0, min(_BLOCK, first + r - b0))     # the row sees keys b0+lo .. b0+hi-1
+            hi = max(0, min(n, pos0 + r - b0 + 1))
+            for gh in range(G):
+                qv = q[i0 + r, h0 + gh]
+                for j in range(0, _BLOCK, 4):
+                    d0 = d1 = d2 = d3 = np.float32(0.0)
                     for d in range(D):
-                        dot += qv[d] * _ld(krow, d)
-                    s[r, gh, j] = dot * scale
+                        x = qv[d]
+                        d0 += x * kb[j, d]
+                        d1 += x * kb[j + 1, d]
+                        d2 += x * kb[j + 2, d]
+                        d3 += x * kb[j + 3, d]
+                    s[r, gh, j] = d0
+                    s[r, gh, j + 1] = d1
+                    s[r, gh, j + 2] = d2
+                    s[r, gh, j + 3] = d3
+                for j in range(_BLOCK):
+                    s[r, gh, j] = s[r, gh, j] * scale if lo <= j < hi else neg_inf
         _rescale(s, n, m, l, acc)
-        for j in range(n):
-            t = b0 + j
-            vrow = kv[table[t // ps], t % ps, g, 1]
-            for r in range(R):
-                for gh in range(G):
-                    p = s[r, gh, j]
-                    if p == 0:
+        for r in range(R):
+            for gh in range(G):
+                a = acc[r, gh]
+                for j in range(0, _BLOCK, 4):
+                    p0, p1, p2, p3 = s[r, gh, j], s[r, gh, j + 1], s[r, gh, j + 2], s[r, gh, j + 3]
+                    if p0 == 0 and p1 == 0 and p2 == 0 and p3 == 0:
                         continue
-                    a = acc[r, gh]
                     for d in range(D):
-                        a[d] += p * _ld(vrow, d)
+                        a[d] += p0 * vb[j, d] + p1 * vb[j + 1, d] + p2 * vb[j + 2, d] + p3 * vb[j + 3, d]
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
@@ -100,7 +115,9 @@ def _paged_kernel(q, kv, tables, blk_seq, blk_row, blk_pos, blk_len, scale, wind
         l = np.zeros((R, G), dtype=np.float32)
         acc = np.zeros((R, G, D), dtype=np.float32)
         s = np.empty((R, G, _BLOCK), dtype=np.float32)
-        _paged_block(q, kv, tables[blk_seq[k]], i0, blk_pos[k], g, scale, window, m, l, acc, s)
+        kb = np.empty((_BLOCK, D), dtype=np.float32)
+        vb = np.empty((_BLOCK, D), dtype=np.float32)
+        _paged_block(q, kv, tables[blk_seq[k]], i0, blk_pos[k], g, scale, window, m, l, acc, s, kb, vb)
         for r in range(R):
             for gh in range(G):
                 inv = np.float32(1.0) / l[r, gh] if l[r, gh] > 0 else np.float32(0.0)
