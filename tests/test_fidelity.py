@@ -125,11 +125,20 @@ def test_float16_cache_keeps_exact_mode_fidelity(variant_path):
     assert agree / total >= 0.99
 
 
+@pytest.mark.parametrize("path", ["decode", "prefill"])
 @pytest.mark.parametrize("name", ["q4_1", "q8_0"])
-def test_int8_decode_fidelity(name, variant_path):
-    """The opt-in int8-activation mode, token by token through the decode path: top-1 agreement
-    with HF float32 is reported and must stay at least where llama.cpp's is (95-99%)."""
-    agree, total = _decode_top1_agreement(npllama.Model(variant_path(name), activations="int8"),
-                                          np.load(FIX / f"fidelity_{name}.npz"))
-    print(f"\nint8 activations, {name}: top-1 agreement with HF float32 {agree}/{total} = {agree / total:.2%}")
+def test_int8_fidelity(name, path, variant_path):
+    """The opt-in int8-activation mode, token by token through the decode step and whole texts
+    through the prefill path (the panel kernels): top-1 agreement with HF float32 is reported
+    and must stay at least where llama.cpp's is (95-99%)."""
+    model, fix = npllama.Model(variant_path(name), activations="int8"), np.load(FIX / f"fidelity_{name}.npz")
+    if path == "decode":
+        agree, total = _decode_top1_agreement(model, fix)
+    else:
+        agree = total = 0
+        for text in _texts(fix):
+            ids = fix[f"{text}/ids"]
+            agree += int((model.session().feed(ids, all_logits=True).argmax(-1) == fix[f"{text}/top_ids"][:, 0]).sum())
+            total += len(ids)
+    print(f"\nint8 activations, {name}, {path}: top-1 agreement with HF float32 {agree}/{total} = {agree / total:.2%}")
     assert agree / total >= 0.95
