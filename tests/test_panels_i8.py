@@ -11,7 +11,7 @@ from npllama.kernels import panels_i8 as P
 from npllama.kernels.nn import ACTS
 from test_quants_int8 import full_range_weight, ref_quantize, runnable_isas
 
-TYPES = [QT.Q4_0, QT.Q4_1, QT.Q8_0]
+TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0]
 _KERNELS = {}
 
 
@@ -146,7 +146,7 @@ def test_errors():
     rng = np.random.default_rng(0)
     data = full_range_weight(QT.Q4_1, 4, 2, rng)
     with pytest.raises(ValueError, match="no panel kernels for type"):
-        P.pack_panels(data, QT.Q5_0)
+        P.pack_panels(data, QT.Q4_K)
     with pytest.raises(ValueError, match="uint8 array of shape"):
         P.pack_panels(data[:, :30], QT.Q4_1)
     pw = P.pack_panels(data, QT.Q4_1)

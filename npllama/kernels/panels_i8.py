@@ -3,17 +3,18 @@ passes (rows.py is the exact mode's; quants_int8.py has the decode step's one-ro
 
 Panels
 ------
-A Q4_0, Q4_1 or Q8_0 weight is laid out again, once, in panels of 16 rows (`pack_panels`; the
-last panel padded with zero rows). A panel holds its 16 rows block by block; for each block of
-32 columns:
+A Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 weight is laid out again, once, in panels of 16 rows
+(`pack_panels`; the last panel padded with zero rows). A panel holds its 16 rows block by
+block; for each block of 32 columns:
 
     quants: 64-byte vectors whose bytes 4r..4r+3 are bytes 4k..4k+3 of row r's quants, for
             k = 0..3 (Q4_0, Q4_1: each byte holds element 4k+i in its low nibble and element
-            16+4k+i in its high one, as in the GGUF block) or k = 0..7 (Q8_0, each byte
-            offset by 128, so that it is unsigned)
-    d:      the 16 rows' float16 scales, then (Q4_1) their float16 minimums m
+            16+4k+i in its high one, as in the GGUF block) or k = 0..7 (one element a byte:
+            Q8_0's offset by 128 so that it is unsigned, Q5_0's and Q5_1's five bits joined)
+    d:      the 16 rows' float16 scales, then (Q4_1, Q5_1) their float16 minimums m
 
-so a panel block is the same size as its 16 GGUF blocks (Q4_1 320 bytes, Q4_0 288, Q8_0 544).
+so a panel block is the size of its 16 GGUF blocks (Q4_1 320 bytes, Q4_0 288, Q8_0 544), or
+(Q5_0 544 bytes, Q5_1 576) 1.5 times it.
 
 The micro-kernel
 ----------------
@@ -24,8 +25,8 @@ vector of quants (split into its low and high nibbles) meets the 4 bytes of x th
 elements multiply, broadcast to all 16 rows, in one u8 x s8 dot into 16 int32 lanes
 (vpdpbusd: lane r accumulates row r), so a block costs 8 dots per activation row, after which
 
-    acc_r += float(isum_r - bias sum q) * (d_r d_x)    bias: 8 (Q4_0), 128 (Q8_0), 0 (Q4_1)
-    acc_r += m_r s_x                                    (Q4_1)
+    acc_r += float(isum_r - bias sum q) * (d_r d_x)    bias: 8 (Q4_0), 16 (Q5_0), 128 (Q8_0), else 0
+    acc_r += m_r s_x                                    (Q4_1, Q5_1)
 
 The integer sums are exact, and every activation row's float operations are the same whatever
 the tile size, so a row's products do not depend on the other rows beside it (batched passes
@@ -51,7 +52,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .nn import _glu1
-from .quants import _F32T, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q8_0, _const_vec, _ir_call, _ir_load, _ir_splat, _shuffle, _vec
+from .quants import _F32T, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _const_vec, _ir_call, _ir_load, _ir_splat, _shuffle, _vec
 from .quants_int8 import DOT_ISA, _ir_f16_vec, _quantize_x_q8
 
 __all__ = ["PANEL", "has_panels", "pack_panels", "quantize_rows", "matmul_panels"]
@@ -63,13 +64,15 @@ _TT = 4     # activation rows per tile of the micro-kernel
 _KINDS = {
     "q4_0": (18, 2, 4, 288, 8, False),
     "q4_1": (20, 4, 4, 320, 0, True),
+    "q5_0": (22, 6, 8, 544, 16, False),   # the fifth bits: the uint32 at offset 2
+    "q5_1": (24, 8, 8, 576, 0, True),     # the fifth bits: the uint32 at offset 4
     "q8_0": (34, 2, 8, 544, 128, False),
 }
-_CODES = {_Q4_0: "q4_0", _Q4_1: "q4_1", _Q8_0: "q8_0"}
+_CODES = {_Q4_0: "q4_0", _Q4_1: "q4_1", _Q5_0: "q5_0", _Q5_1: "q5_1", _Q8_0: "q8_0"}
 
 
 def has_panels(qtype) -> bool:
-    """Whether weights of GGUF type `qtype` have the panel kernels (Q4_0, Q4_1, Q8_0)."""
+    """Whether weights of GGUF type `qtype` have the panel kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)."""
     return int(qtype) in _CODES
 
 
@@ -78,7 +81,7 @@ def has_panels(qtype) -> bool:
 # ---------------------------------------------------------------------------------------
 
 @njit(parallel=True, cache=True)
-def _pack(src, dst, size, qoff, groups, pbs, has_m, flip):
+def _pack(src, dst, size, qoff, groups, pbs, has_m, flip, five):
     """Panels of the GGUF rows `src` (rows, nb * size) into `dst` (n_panels, nb * pbs), zeroed."""
     rows = src.shape[0]
     nb = src.shape[1] // size
@@ -88,9 +91,17 @@ def _pack(src, dst, size, qoff, groups, pbs, has_m, flip):
             for b in range(nb):
                 o = b * size
                 ob = b * pbs
-                for k in range(groups):
+                if five:  # element j: nibble j % 16 of the block (low, then high) | fifth bit j << 4
+                    hb = 0
                     for i in range(4):
-                        dst[p, ob + 64 * k + 4 * r + i] = row[o + qoff + 4 * k + i] ^ flip
+                        hb |= np.int64(row[o + qoff - 4 + i]) << (8 * i)
+                    for j in range(32):
+                        q = (np.int64(row[o + qoff + j % 16]) >> (4 * (j // 16))) & 15
+                        dst[p, ob + 64 * (j // 4) + 4 * r + j % 4] = np.uint8(q | (((hb >> j) & 1) << 4))
+                else:
+                    for k in range(groups):
+                        for i in range(4):
+                            dst[p, ob + 64 * k + 4 * r + i] = row[o + qoff + 4 * k + i] ^ flip
                 od = ob + 64 * groups
                 dst[p, od + 2 * r] = row[o]
                 dst[p, od + 2 * r + 1] = row[o + 1]
@@ -100,11 +111,12 @@ def _pack(src, dst, size, qoff, groups, pbs, has_m, flip):
 
 
 def pack_panels(data, qtype) -> np.ndarray:
-    """The panels (n_panels, blocks * panel block bytes) uint8 of a Q4_0/Q4_1/Q8_0 weight
-    `data` (rows, row bytes) uint8: a new array, the size of the weight (rounded up to 16 rows)."""
+    """The panels (n_panels, blocks * panel block bytes) uint8 of a Q4_0, Q4_1, Q5_0, Q5_1 or
+    Q8_0 weight `data` (rows, row bytes) uint8: a new array, the size of the weight rounded up
+    to 16 rows (1.5 times that for Q5_0 and Q5_1)."""
     kind = _CODES.get(int(qtype))
     if kind is None:
-        raise ValueError(f"no panel kernels for type {qtype!r}; they exist for Q4_0, Q4_1 and Q8_0")
+        raise ValueError(f"no panel kernels for type {qtype!r}; they exist for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0")
     size, qoff, groups, pbs, bias, has_m = _KINDS[kind]
     data = np.ascontiguousarray(data)
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] % size:
@@ -112,7 +124,7 @@ def pack_panels(data, qtype) -> np.ndarray:
                          f"got {data.dtype} {data.shape}")
     n_panels = (data.shape[0] + PANEL - 1) // PANEL
     out = np.zeros((n_panels, data.shape[1] // size * pbs), np.uint8)
-    _pack(data, out, size, qoff, groups, pbs, has_m, np.uint8(128 if kind == "q8_0" else 0))
+    _pack(data, out, size, qoff, groups, pbs, has_m, np.uint8(128 if kind == "q8_0" else 0), kind.startswith("q5"))
     return out
 
 
@@ -207,7 +219,7 @@ def _make_tiles(isa: str):
 
                 for k in range(groups):
                     v = _ir_load(builder, pp, builder.add(ob, c(64 * k)), v64b, 1)
-                    if kind == "q8_0":
+                    if groups == 8:  # one element a byte
                         parts = [(v, 4 * k)]
                     else:
                         parts = [(builder.and_(v, _const_vec(_I8, 64, 15)), 4 * k),
@@ -259,6 +271,8 @@ _TILES = _make_tiles(DOT_ISA)
 _t41, _t44 = _TILES["q4_1", 1], _TILES["q4_1", _TT]
 _t01, _t04 = _TILES["q4_0", 1], _TILES["q4_0", _TT]
 _t81, _t84 = _TILES["q8_0", 1], _TILES["q8_0", _TT]
+_t51, _t54 = _TILES["q5_0", 1], _TILES["q5_0", _TT]
+_t151, _t154 = _TILES["q5_1", 1], _TILES["q5_1", _TT]
 
 
 @njit(cache=True)
@@ -278,6 +292,16 @@ def _panel_rows(code, pw, p, xq, xd, xs, xi, tmp):
             _t84(panel, xq, xd, xs, xi, t0, tmp)
         for t0 in range(full, T):
             _t81(panel, xq, xd, xs, xi, t0, tmp)
+    elif code == _Q5_0:
+        for t0 in range(0, full, _TT):
+            _t54(panel, xq, xd, xs, xi, t0, tmp)
+        for t0 in range(full, T):
+            _t51(panel, xq, xd, xs, xi, t0, tmp)
+    elif code == _Q5_1:
+        for t0 in range(0, full, _TT):
+            _t154(panel, xq, xd, xs, xi, t0, tmp)
+        for t0 in range(full, T):
+            _t151(panel, xq, xd, xs, xi, t0, tmp)
     else:
         for t0 in range(0, full, _TT):
             _t04(panel, xq, xd, xs, xi, t0, tmp)
@@ -338,7 +362,7 @@ def matmul_panels(panels: np.ndarray, qtype, rows: int, x) -> np.ndarray:
     activation rows x (T, n), x quantized to int8 blocks."""
     kind = _CODES.get(int(qtype))
     if kind is None:
-        raise ValueError(f"no panel kernels for type {qtype!r}; they exist for Q4_0, Q4_1 and Q8_0")
+        raise ValueError(f"no panel kernels for type {qtype!r}; they exist for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0")
     xq, xd, xs, xi = quantize_rows(x)
     pbs = _KINDS[kind][3]
     if panels.dtype != np.uint8 or panels.ndim != 2 or panels.shape != ((rows + PANEL - 1) // PANEL,
