@@ -4,6 +4,7 @@ instruction set the micro-kernel can be compiled for on this machine."""
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
+from gguf.constants import GGML_QUANT_SIZES
 import gguf.quants
 from numba import njit
 
@@ -11,7 +12,12 @@ from npllama.kernels import panels_i8 as P
 from npllama.kernels.nn import ACTS
 from test_quants_int8 import full_range_weight, ref_quantize, runnable_isas
 
-TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0]
+TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K]
+
+
+def cols(qtype, blocks):
+    """Columns of `blocks` GGUF blocks (Q4_K's: super-blocks of 256)."""
+    return GGML_QUANT_SIZES[qtype][0] * blocks
 _KERNELS = {}
 
 
@@ -61,7 +67,7 @@ def test_products_every_isa(isa, qtype):
     rng = np.random.default_rng(int(qtype))
     for rows, blocks, T in ((1, 1, 1), (16, 1, 4), (17, 2, 5), (37, 3, 9), (5, 18, 3), (33, 7, 8)):
         data = full_range_weight(qtype, rows, blocks, rng)
-        x = rng.normal(size=(T, 32 * blocks)).astype(np.float32)
+        x = rng.normal(size=(T, cols(qtype, blocks))).astype(np.float32)
         x[0, :32] *= 100.0
         xq, xd, xs, xi = P.quantize_rows(x)
         out = np.full((T, rows), np.nan, np.float32)
@@ -76,8 +82,8 @@ def test_matmul_panels(qtype):
     for rows, blocks, T in ((1, 1, 1), (3, 2, 1), (40, 5, 6), (64, 18, 17)):
         data = full_range_weight(qtype, rows, blocks, rng)
         pw = P.pack_panels(data, qtype)
-        assert pw.shape == ((rows + 15) // 16, blocks * P._KINDS[P._CODES[int(qtype)]][3])
-        x = rng.normal(size=(T, 2 * 32 * blocks)).astype(np.float32)[:, ::2]  # not contiguous
+        assert pw.shape == ((rows + 15) // 16, cols(qtype, blocks) // 32 * P._KINDS[P._CODES[int(qtype)]][3])
+        x = rng.normal(size=(T, 2 * cols(qtype, blocks))).astype(np.float32)[:, ::2]  # not contiguous
         out = P.matmul_panels(pw, qtype, rows, x)
         assert_close(out, data, qtype, rows, x)
         np.testing.assert_array_equal(out, P.matmul_panels(pw, qtype, rows, np.ascontiguousarray(x)))
@@ -90,7 +96,7 @@ def test_rows_do_not_depend_on_their_neighbours(qtype):
     rows, blocks = 24, 4
     data = full_range_weight(qtype, rows, blocks, rng)
     pw = P.pack_panels(data, qtype)
-    x = rng.normal(size=(11, 32 * blocks)).astype(np.float32)
+    x = rng.normal(size=(11, cols(qtype, blocks))).astype(np.float32)
     together = P.matmul_panels(pw, qtype, rows, x)
     for t in range(len(x)):
         np.testing.assert_array_equal(P.matmul_panels(pw, qtype, rows, x[t:t + 1])[0], together[t])
@@ -146,7 +152,7 @@ def test_errors():
     rng = np.random.default_rng(0)
     data = full_range_weight(QT.Q4_1, 4, 2, rng)
     with pytest.raises(ValueError, match="no panel kernels for type"):
-        P.pack_panels(data, QT.Q4_K)
+        P.pack_panels(data, QT.Q6_K)
     with pytest.raises(ValueError, match="uint8 array of shape"):
         P.pack_panels(data[:, :30], QT.Q4_1)
     pw = P.pack_panels(data, QT.Q4_1)
@@ -154,4 +160,4 @@ def test_errors():
         P.matmul_panels(pw, QT.Q4_1, 4, np.zeros((2, 96), np.float32))
     with pytest.raises(ValueError, match="multiple of 32"):
         P.matmul_panels(pw, QT.Q4_1, 4, np.zeros((2, 60), np.float32))
-    assert P.has_panels(QT.Q8_0) and not P.has_panels(QT.Q4_K)
+    assert P.has_panels(QT.Q8_0) and P.has_panels(QT.Q4_K) and not P.has_panels(QT.Q6_K)

@@ -3,18 +3,20 @@ passes (rows.py is the exact mode's; quants_int8.py has the decode step's one-ro
 
 Panels
 ------
-A Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 weight is laid out again, once, in panels of 16 rows
+A Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or Q4_K weight is laid out again, once, in panels of 16 rows
 (`pack_panels`; the last panel padded with zero rows). A panel holds its 16 rows block by
 block; for each block of 32 columns:
 
     quants: 64-byte vectors whose bytes 4r..4r+3 are bytes 4k..4k+3 of row r's quants, for
-            k = 0..3 (Q4_0, Q4_1: each byte holds element 4k+i in its low nibble and element
-            16+4k+i in its high one, as in the GGUF block) or k = 0..7 (one element a byte:
-            Q8_0's offset by 128 so that it is unsigned, Q5_0's and Q5_1's five bits joined)
-    d:      the 16 rows' float16 scales, then (Q4_1, Q5_1) their float16 minimums m
+            k = 0..3 (Q4_0, Q4_1, Q4_K: each byte holds element 4k+i in its low nibble and
+            element 16+4k+i in its high one, as in a Q4_0 block) or k = 0..7 (one element a
+            byte: Q8_0's offset by 128 so that it is unsigned, Q5_0's and Q5_1's five bits joined)
+    d:      the 16 rows' float16 scales, then (Q4_1, Q5_1) their float16 minimums m; for Q4_K
+            the float32 products d sc of its super-block scale and the block's 6-bit scale,
+            then -dmin m (exact in float32: 11 bits times 6)
 
 so a panel block is the size of its 16 GGUF blocks (Q4_1 320 bytes, Q4_0 288, Q8_0 544), or
-(Q5_0 544 bytes, Q5_1 576) 1.5 times it.
+1.5 times it (Q5_0 544 bytes, Q5_1 576), or 4/3 (Q4_K 384).
 
 The micro-kernel
 ----------------
@@ -26,7 +28,7 @@ elements multiply, broadcast to all 16 rows, in one u8 x s8 dot into 16 int32 la
 (vpdpbusd: lane r accumulates row r), so a block costs 8 dots per activation row, after which
 
     acc_r += float(isum_r - bias sum q) * (d_r d_x)    bias: 8 (Q4_0), 16 (Q5_0), 128 (Q8_0), else 0
-    acc_r += m_r s_x                                    (Q4_1, Q5_1)
+    acc_r += m_r s_x                                    (Q4_1, Q5_1, Q4_K)
 
 The integer sums are exact, and every activation row's float operations are the same whatever
 the tile size, so a row's products do not depend on the other rows beside it (batched passes
@@ -51,8 +53,9 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .f16 import _half_bits_to_f32
 from .nn import _glu1
-from .quants import _F32T, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _const_vec, _ir_call, _ir_load, _ir_splat, _shuffle, _vec
+from .quants import _F32T, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q4_K, _Q5_0, _Q5_1, _Q8_0, _const_vec, _ir_call, _ir_load, _ir_splat, _shuffle, _vec
 from .quants_int8 import DOT_ISA, _ir_f16_vec, _quantize_x_q8
 
 __all__ = ["PANEL", "has_panels", "pack_panels", "quantize_rows", "matmul_panels"]
@@ -60,19 +63,22 @@ __all__ = ["PANEL", "has_panels", "pack_panels", "quantize_rows", "matmul_panels
 PANEL = 16  # weight rows per panel: the int32 lanes of a 512-bit vector
 _TT = 4     # activation rows per tile of the micro-kernel
 
-# kind: (GGUF block bytes, offset of its quants, 4-byte groups per block, panel block bytes, bias, has m)
+# kind: (GGUF block bytes, offset of its quants, 4-byte groups per block, panel block bytes, bias,
+#        has m, bytes of a panel's d and m)
 _KINDS = {
-    "q4_0": (18, 2, 4, 288, 8, False),
-    "q4_1": (20, 4, 4, 320, 0, True),
-    "q5_0": (22, 6, 8, 544, 16, False),   # the fifth bits: the uint32 at offset 2
-    "q5_1": (24, 8, 8, 576, 0, True),     # the fifth bits: the uint32 at offset 4
-    "q8_0": (34, 2, 8, 544, 128, False),
+    "q4_0": (18, 2, 4, 288, 8, False, 2),
+    "q4_1": (20, 4, 4, 320, 0, True, 2),
+    "q5_0": (22, 6, 8, 544, 16, False, 2),   # the fifth bits: the uint32 at offset 2
+    "q5_1": (24, 8, 8, 576, 0, True, 2),     # the fifth bits: the uint32 at offset 4
+    "q8_0": (34, 2, 8, 544, 128, False, 2),
+    "q4_k": (144, 16, 4, 384, 0, True, 4),   # a GGUF block is a super-block of 256
 }
-_CODES = {_Q4_0: "q4_0", _Q4_1: "q4_1", _Q5_0: "q5_0", _Q5_1: "q5_1", _Q8_0: "q8_0"}
+_CODES = {_Q4_0: "q4_0", _Q4_1: "q4_1", _Q5_0: "q5_0", _Q5_1: "q5_1", _Q8_0: "q8_0", _Q4_K: "q4_k"}
+_TYPES = "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K"
 
 
 def has_panels(qtype) -> bool:
-    """Whether weights of GGUF type `qtype` have the panel kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)."""
+    """Whether weights of GGUF type `qtype` have the panel kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K)."""
     return int(qtype) in _CODES
 
 
@@ -110,19 +116,55 @@ def _pack(src, dst, size, qoff, groups, pbs, has_m, flip, five):
                     dst[p, od + 32 + 2 * r + 1] = row[o + 3]
 
 
+@njit(parallel=True, cache=True)
+def _pack_q4_k(src, dst):
+    """Panels of the Q4_K rows `src` (rows, super-blocks * 144) into `dst`, zeroed: each block of
+    32 (sub-block) as a Q4_1 panel block with float32 d sc and -dmin m."""
+    rows = src.shape[0]
+    ns = src.shape[1] // 144
+    for p in prange(dst.shape[0]):
+        el = np.empty(32, np.uint8)
+        dm = dst[p].view(np.float32)
+        for r in range(min(PANEL, rows - p * PANEL)):
+            row = src[p * PANEL + r]
+            for sb in range(ns):
+                o = sb * 144
+                d = _half_bits_to_f32(np.uint32(row[o]) | (np.uint32(row[o + 1]) << 8))
+                dmin = _half_bits_to_f32(np.uint32(row[o + 2]) | (np.uint32(row[o + 3]) << 8))
+                sc = row[o + 4:o + 16]
+                for j in range(8):
+                    if j < 4:
+                        scale, mn = sc[j] & 63, sc[j + 4] & 63
+                    else:
+                        scale = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4)
+                        mn = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4)
+                    qs = row[o + 16 + 32 * (j // 2):o + 48 + 32 * (j // 2)]  # low nibbles: even j
+                    for i in range(32):
+                        el[i] = (qs[i] >> (4 * (j % 2))) & 15
+                    ob = (sb * 8 + j) * 384
+                    for i in range(16):
+                        dst[p, ob + 64 * (i // 4) + 4 * r + i % 4] = el[i] | (el[16 + i] << 4)
+                    dm[(ob + 256) // 4 + r] = d * np.float32(scale)
+                    dm[(ob + 320) // 4 + r] = -(dmin * np.float32(mn))
+
+
 def pack_panels(data, qtype) -> np.ndarray:
-    """The panels (n_panels, blocks * panel block bytes) uint8 of a Q4_0, Q4_1, Q5_0, Q5_1 or
-    Q8_0 weight `data` (rows, row bytes) uint8: a new array, the size of the weight rounded up
-    to 16 rows (1.5 times that for Q5_0 and Q5_1)."""
+    """The panels (n_panels, blocks of 32 * panel block bytes) uint8 of a Q4_0, Q4_1, Q5_0,
+    Q5_1, Q8_0 or Q4_K weight `data` (rows, row bytes) uint8: a new array, the size of the
+    weight rounded up to 16 rows (1.5 times that for Q5_0 and Q5_1, 4/3 for Q4_K)."""
     kind = _CODES.get(int(qtype))
     if kind is None:
-        raise ValueError(f"no panel kernels for type {qtype!r}; they exist for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0")
-    size, qoff, groups, pbs, bias, has_m = _KINDS[kind]
+        raise ValueError(f"no panel kernels for type {qtype!r}; they exist for {_TYPES}")
+    size, qoff, groups, pbs, bias, has_m, _ = _KINDS[kind]
     data = np.ascontiguousarray(data)
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] % size:
         raise ValueError(f"{kind} rows must be a uint8 array of shape (rows, {size} * blocks), "
                          f"got {data.dtype} {data.shape}")
     n_panels = (data.shape[0] + PANEL - 1) // PANEL
+    if kind == "q4_k":
+        out = np.zeros((n_panels, data.shape[1] // size * 8 * pbs), np.uint8)
+        _pack_q4_k(data, out)
+        return out
     out = np.zeros((n_panels, data.shape[1] // size * pbs), np.uint8)
     _pack(data, out, size, qoff, groups, pbs, has_m, np.uint8(128 if kind == "q8_0" else 0), kind.startswith("q5"))
     return out
@@ -193,7 +235,7 @@ def _make_tiles(isa: str):
     v16i, v16f, v64b = _vec(_I32, 16), _vec(_F32T, 16), _vec(_I8, 64)
 
     def make(kind, tt):
-        _, _, groups, pbs, bias, has_m = _KINDS[kind]
+        _, _, groups, pbs, bias, has_m, sbytes = _KINDS[kind]
 
         def codegen(context, builder, sig, args):
             arrs = [context.make_array(ty)(context, builder, a) for ty, a in zip(sig.args[:5], args[:5])]
@@ -228,9 +270,13 @@ def _make_tiles(isa: str):
                         for t in range(tt):
                             isum[t] = _ir_dpbusd(builder, isum[t], u, x4(t, col), isa)
                 od = builder.add(ob, c(64 * groups))
-                dw = _ir_f16_vec(builder, _ir_load(builder, pp, od, _vec(_I16, 16), 1))
-                mw = _ir_f16_vec(builder, _ir_load(builder, pp, builder.add(od, c(32)), _vec(_I16, 16), 1)) \
-                    if has_m else None
+
+                def scales(at):  # the 16 rows' d or m, float32
+                    if sbytes == 4:
+                        return _ir_load(builder, pp, at, v16f, 4)
+                    return _ir_f16_vec(builder, _ir_load(builder, pp, at, _vec(_I16, 16), 1))
+                dw = scales(od)
+                mw = scales(builder.add(od, c(16 * sbytes))) if has_m else None
                 for t in range(tt):
                     at = builder.add(brow[t], b)
                     s = isum[t]
@@ -273,6 +319,7 @@ _t01, _t04 = _TILES["q4_0", 1], _TILES["q4_0", _TT]
 _t81, _t84 = _TILES["q8_0", 1], _TILES["q8_0", _TT]
 _t51, _t54 = _TILES["q5_0", 1], _TILES["q5_0", _TT]
 _t151, _t154 = _TILES["q5_1", 1], _TILES["q5_1", _TT]
+_tk1, _tk4 = _TILES["q4_k", 1], _TILES["q4_k", _TT]
 
 
 @njit(cache=True)
@@ -302,6 +349,11 @@ def _panel_rows(code, pw, p, xq, xd, xs, xi, tmp):
             _t154(panel, xq, xd, xs, xi, t0, tmp)
         for t0 in range(full, T):
             _t151(panel, xq, xd, xs, xi, t0, tmp)
+    elif code == _Q4_K:
+        for t0 in range(0, full, _TT):
+            _tk4(panel, xq, xd, xs, xi, t0, tmp)
+        for t0 in range(full, T):
+            _tk1(panel, xq, xd, xs, xi, t0, tmp)
     else:
         for t0 in range(0, full, _TT):
             _t04(panel, xq, xd, xs, xi, t0, tmp)
@@ -362,7 +414,7 @@ def matmul_panels(panels: np.ndarray, qtype, rows: int, x) -> np.ndarray:
     activation rows x (T, n), x quantized to int8 blocks."""
     kind = _CODES.get(int(qtype))
     if kind is None:
-        raise ValueError(f"no panel kernels for type {qtype!r}; they exist for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0")
+        raise ValueError(f"no panel kernels for type {qtype!r}; they exist for {_TYPES}")
     xq, xd, xs, xi = quantize_rows(x)
     pbs = _KINDS[kind][3]
     if panels.dtype != np.uint8 or panels.ndim != 2 or panels.shape != ((rows + PANEL - 1) // PANEL,
