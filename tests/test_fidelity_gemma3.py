@@ -127,6 +127,18 @@ def test_int8_decode_top1(gemma3_path, fix, text):
     assert agree / n >= 0.90
 
 
+@pytest.mark.parametrize("text", TEXTS)
+def test_int8_prefill_top1(gemma3_path, fix, text):
+    """The int8-activation mode through the prefill path (the panel products: Q4_K, Q5_0, Q8_0
+    weights), teacher-forced over a whole text: top-1 agreement with HF float32, with the
+    decode step's floor."""
+    ids = fix[f"{text}/ids"]
+    logits = npllama.Model(gemma3_path, activations="int8").session().feed(ids, all_logits=True)
+    agree = int((logits.argmax(-1) == fix[f"{text}/top_ids"][:, 0]).sum())
+    print(f"\nint8 activations, {text}, prefill: top-1 {agree}/{len(ids)} = {agree / len(ids):.2%}")
+    assert agree / len(ids) >= 0.90
+
+
 def _greedy(model, prompt, n):
     """n greedy tokens after `prompt`, each new token through the fused decode step (the
     prefill path's agreement is the teacher-forced test's)."""
