@@ -21,31 +21,23 @@ def cols(qtype, blocks):
 _KERNELS = {}
 
 
-def panel_kernel(isa, qtype):
-    """njit (pw, rows, xq, xd, xs, xi, out): `_matmul_panels` with the tiles of `isa` (serial,
-    not cached): tiles of _TT rows, then single rows, as _panel_rows."""
-    key = (isa, qtype)
-    if key not in _KERNELS:
-        tiles = P._make_tiles(isa)
-        kind = P._CODES[int(qtype)]
-        tt, one = tiles[kind, P._TT], tiles[kind, 1]
-        TT, W = P._TT, P.PANEL
+def panel_kernel(isa):
+    """njit (code, pw, rows, xq, xd, xs, xi, out): `_matmul_panels` with the micro-kernel of
+    `isa` (serial, not cached)."""
+    if isa not in _KERNELS:
+        dots, W = P._make_panel_dots(isa), P.PANEL
 
         @njit
-        def run(pw, rows, xq, xd, xs, xi, out):
+        def run(code, pw, rows, xq, xd, xs, xi, out):
             T = xq.shape[0]
-            full = T - T % TT
             tmp = np.empty((T, W), np.float32)
             for p in range(pw.shape[0]):
-                for t0 in range(0, full, TT):
-                    tt(pw[p], xq, xd, xs, xi, t0, tmp)
-                for t0 in range(full, T):
-                    one(pw[p], xq, xd, xs, xi, t0, tmp)
+                dots(code, pw[p], xq, xd, xs, xi, tmp)
                 for t in range(T):
                     for i in range(min(W, rows - p * W)):
                         out[t, p * W + i] = tmp[t, i]
-        _KERNELS[key] = run
-    return _KERNELS[key]
+        _KERNELS[isa] = run
+    return _KERNELS[isa]
 
 
 def reference(data, qtype, rows, x):
@@ -71,7 +63,7 @@ def test_products_every_isa(isa, qtype):
         x[0, :32] *= 100.0
         xq, xd, xs, xi = P.quantize_rows(x)
         out = np.full((T, rows), np.nan, np.float32)
-        panel_kernel(isa, qtype)(P.pack_panels(data, qtype), rows, xq, xd, xs, xi, out)
+        panel_kernel(isa)(int(qtype), P.pack_panels(data, qtype), rows, xq, xd, xs, xi, out)
         assert_close(out, data, qtype, rows, x)
 
 

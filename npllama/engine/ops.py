@@ -5,10 +5,11 @@ parallel region for q/k/v, one for gate/up with the activation), serial per-toke
 RoPE.
 
 `PanelOps`: the int8 mode's prefill and batched paths; as RowOps, but the products of weights
-with panel kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: kernels/panels_i8.py) quantize their input
-rows to int8 blocks (once for q/k/v and once for gate/up) and run on the weight's panels,
-which the model packs at first use (`Transformer.panels`). Each token's products depend only on its own row,
-so a token gives the same results in a batch as alone. Weights of other types take RowOps'.
+with panel kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K: kernels/panels_i8.py) quantize their
+input rows to int8 blocks (once for q/k/v and once for gate/up) and run on the weight's
+panels, which the model packs at first use (`Transformer.panels`). Each token's products
+depend only on its own row, so a token gives the same results in a batch as alone. Weights of
+other types take RowOps'.
 """
 from __future__ import annotations
 

@@ -189,7 +189,7 @@ class Transformer:
 
     def panels(self, w: QWeight) -> np.ndarray | None:
         """With int8 activations, the panels (kernels/panels_i8.py) of a weight of a type that
-        has them, packed at first use and kept (the size of the weight again); else None."""
+        has them, packed at first use and kept (a second copy of the weight); else None."""
         if self.activations != "int8" or not has_panels(w.qtype) or w.cols % 32:
             return None
         with self._panels_lock:

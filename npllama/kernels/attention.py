@@ -84,6 +84,36 @@ def _rescale(s, n, m, l, acc):
             m[r, gh] = m_new
 
 
+@njit(fastmath=_FASTMATH, cache=True, inline="always")
+def _score_block(qv, kb, sv):
+    """sv[j] = dot(qv, kb[j]) for the _BLOCK keys of kb (_BLOCK, D), four keys per pass over
+    qv (one load of the query for four dots). A key's sum is grouped the same in any caller."""
+    for j in range(0, _BLOCK, 4):
+        d0 = d1 = d2 = d3 = np.float32(0.0)
+        for d in range(qv.shape[0]):
+            x = qv[d]
+            d0 += x * kb[j, d]
+            d1 += x * kb[j + 1, d]
+            d2 += x * kb[j + 2, d]
+            d3 += x * kb[j + 3, d]
+        sv[j] = d0
+        sv[j + 1] = d1
+        sv[j + 2] = d2
+        sv[j + 3] = d3
+
+
+@njit(fastmath=_FASTMATH, cache=True, inline="always")
+def _add_values(a, pv, vb):
+    """a += sum_j pv[j] vb[j] over the _BLOCK values of vb (_BLOCK, D), four values per pass
+    over a (one load and store of the output for four rows); quads of zero weights skipped."""
+    for j in range(0, _BLOCK, 4):
+        p0, p1, p2, p3 = pv[j], pv[j + 1], pv[j + 2], pv[j + 3]
+        if p0 == 0 and p1 == 0 and p2 == 0 and p3 == 0:
+            continue
+        for d in range(a.shape[0]):
+            a[d] += p0 * vb[j, d] + p1 * vb[j + 1, d] + p2 * vb[j + 2, d] + p3 * vb[j + 3, d]
+
+
 @njit(fastmath=_FASTMATH, cache=True)
 def _accumulate(q, kv, i0, pos0, g, t0, t1, window, scale, softcap, mask, use_mask, alibi, use_alibi,
                 m, l, acc, s, kb, vb):
@@ -121,19 +151,7 @@ def _accumulate(q, kv, i0, pos0, g, t0, t1, window, scale, softcap, mask, use_ma
             qpos = pos0 + r
             for gh in range(G):
                 h = h0 + gh
-                qv = q[i, h]
-                for j in range(0, _BLOCK, 4):
-                    d0 = d1 = d2 = d3 = np.float32(0.0)
-                    for d in range(D):
-                        x = qv[d]
-                        d0 += x * kb[j, d]
-                        d1 += x * kb[j + 1, d]
-                        d2 += x * kb[j + 2, d]
-                        d3 += x * kb[j + 3, d]
-                    s[r, gh, j] = d0
-                    s[r, gh, j + 1] = d1
-                    s[r, gh, j + 2] = d2
-                    s[r, gh, j + 3] = d3
+                _score_block(q[i, h], kb, s[r, gh])
                 if plain:  # causal only: scaled, and the keys past the row's position removed
                     seen = max(0, min(n, qpos - b0 + 1))
                     for j in range(_BLOCK):
@@ -155,13 +173,7 @@ def _accumulate(q, kv, i0, pos0, g, t0, t1, window, scale, softcap, mask, use_ma
         _rescale(s, n, m, l, acc)  # running state rescaled, scores turned into weights
         for r in range(R):
             for gh in range(G):
-                a = acc[r, gh]
-                for j in range(0, _BLOCK, 4):
-                    p0, p1, p2, p3 = s[r, gh, j], s[r, gh, j + 1], s[r, gh, j + 2], s[r, gh, j + 3]
-                    if p0 == 0 and p1 == 0 and p2 == 0 and p3 == 0:
-                        continue
-                    for d in range(D):
-                        a[d] += p0 * vb[j, d] + p1 * vb[j + 1, d] + p2 * vb[j + 2, d] + p3 * vb[j + 3, d]
+                _add_values(acc[r, gh], s[r, gh], vb)
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)

@@ -25,7 +25,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .attention import _BLOCK, _FASTMATH, _ROWS, _rescale
+from .attention import _BLOCK, _FASTMATH, _ROWS, _add_values, _rescale, _score_block
 from .f16 import _ld
 
 __all__ = ["paged_attend", "plan_blocks"]
@@ -66,31 +66,13 @@ def _paged_block(q, kv, table, i0, pos0, g, scale, window, m, l, acc, s, kb, vb)
             lo = max(0, min(_BLOCK, first + r - b0))     # the row sees keys b0+lo .. b0+hi-1
             hi = max(0, min(n, pos0 + r - b0 + 1))
             for gh in range(G):
-                qv = q[i0 + r, h0 + gh]
-                for j in range(0, _BLOCK, 4):
-                    d0 = d1 = d2 = d3 = np.float32(0.0)
-                    for d in range(D):
-                        x = qv[d]
-                        d0 += x * kb[j, d]
-                        d1 += x * kb[j + 1, d]
-                        d2 += x * kb[j + 2, d]
-                        d3 += x * kb[j + 3, d]
-                    s[r, gh, j] = d0
-                    s[r, gh, j + 1] = d1
-                    s[r, gh, j + 2] = d2
-                    s[r, gh, j + 3] = d3
+                _score_block(q[i0 + r, h0 + gh], kb, s[r, gh])
                 for j in range(_BLOCK):
                     s[r, gh, j] = s[r, gh, j] * scale if lo <= j < hi else neg_inf
         _rescale(s, n, m, l, acc)
         for r in range(R):
             for gh in range(G):
-                a = acc[r, gh]
-                for j in range(0, _BLOCK, 4):
-                    p0, p1, p2, p3 = s[r, gh, j], s[r, gh, j + 1], s[r, gh, j + 2], s[r, gh, j + 3]
-                    if p0 == 0 and p1 == 0 and p2 == 0 and p3 == 0:
-                        continue
-                    for d in range(D):
-                        a[d] += p0 * vb[j, d] + p1 * vb[j + 1, d] + p2 * vb[j + 2, d] + p3 * vb[j + 3, d]
+                _add_values(acc[r, gh], s[r, gh], vb)
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)

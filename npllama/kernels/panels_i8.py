@@ -33,13 +33,13 @@ elements multiply, broadcast to all 16 rows, in one u8 x s8 dot into 16 int32 la
 The integer sums are exact, and every activation row's float operations are the same whatever
 the tile size, so a row's products do not depend on the other rows beside it (batched passes
 equal single runs bit for bit). The dot is vpdpbusd where the CPU has AVX512-VNNI, two 256-bit
-ones with AVX-VNNI, else portable IR (widening multiplies; `_make_tiles(isa)` builds any).
+ones with AVX-VNNI, else portable IR (widening multiplies; `_make_panel_dots(isa)` builds any).
 
 Njit level (C-contiguous arrays, nothing raises):
 
 * ``_quantize_rows(x, xq, xd, xs, xi)``: each row of x (T, n) float32 quantized.
 * ``_panel_rows(code, pw, p, xq, xd, xs, xi, tmp)``: tmp[t, :] = the 16 products of panel p
-  with every activation row t (tmp: (T, 16) float32).
+  with every activation row t (tmp: (T, 16) float32), by the micro-kernel ``_panel_dots``.
 * ``_matmul_panels``, ``_qkv_panels``, ``_gate_up_panels``: the products, parallel over panels.
 
 Python level: ``has_panels(qtype)``, ``pack_panels(data, qtype)``, ``quantize_rows(x)`` and
@@ -229,136 +229,104 @@ def _ir_dpbusd(builder, acc, u, s, isa):
     return acc
 
 
-def _make_tiles(isa: str):
-    """{(kind, tile rows): intrinsic} of the micro-kernel for `isa` (see quants_int8._dot_isa):
-    ``tile(panel, xq, xd, xs, xi, t0, tmp)`` writes tmp[t0 + t, :] for t < tile rows."""
+def _make_panel_dots(isa: str):
+    """The micro-kernel for `isa` (see quants_int8._dot_isa), an intrinsic
+    ``panel_dots(code, panel, xq, xd, xs, xi, tmp)``: tmp[t, i] = dot(row i of the panel, x_t)
+    for every activation row t (tmp: (T, 16) float32) of a weight of type `code` (one with
+    panels), in tiles of _TT rows and then single rows."""
     v16i, v16f, v64b = _vec(_I32, 16), _vec(_F32T, 16), _vec(_I8, 64)
 
-    def make(kind, tt):
+    def tile(builder, kind, arrays, t0, tt):  # tmp[t0 + t, :] for t < tt
         _, _, groups, pbs, bias, has_m, sbytes = _KINDS[kind]
+        pp, qp, dp, sp, ip, tmp, n = arrays
+        nb = builder.sdiv(n, ir.Constant(n.type, 32))
+        c = lambda v: ir.Constant(n.type, v)  # noqa: E731
+        rows = [builder.add(t0, c(t)) for t in range(tt)]
+        xrow = [builder.bitcast(builder.gep(qp, [builder.mul(r, n)]), _I8.as_pointer()) for r in rows]
+        brow = [builder.mul(r, nb) for r in rows]
+        acc = [cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for _ in range(tt)]
+        with cgutils.for_range(builder, nb) as loop:
+            b = loop.index
+            ob = builder.mul(b, c(pbs))
+            xo = builder.mul(b, c(32))
+            isum = [ir.Constant(v16i, [0] * 16)] * tt
 
-        def codegen(context, builder, sig, args):
-            arrs = [context.make_array(ty)(context, builder, a) for ty, a in zip(sig.args[:5], args[:5])]
-            pp, qp, dp, sp, ip = (a.data for a in arrs)
-            t0 = context.cast(builder, args[5], sig.args[5], types.intp)
-            tmp = context.make_array(sig.args[6])(context, builder, args[6]).data
-            n = builder.extract_value(arrs[1].shape, 1)
-            nb = builder.sdiv(n, ir.Constant(n.type, 32))
-            c = lambda v: ir.Constant(n.type, v)  # noqa: E731
-            rows = [builder.add(t0, c(t)) for t in range(tt)]
-            xrow = [builder.bitcast(builder.gep(qp, [builder.mul(r, n)]), _I8.as_pointer()) for r in rows]
-            brow = [builder.mul(r, nb) for r in rows]
-            acc = [cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for _ in range(tt)]
-            with cgutils.for_range(builder, nb) as loop:
-                b = loop.index
-                ob = builder.mul(b, c(pbs))
-                xo = builder.mul(b, c(32))
-                isum = [ir.Constant(v16i, [0] * 16)] * tt
+            def x4(t, col):  # the 4 bytes of row t's x from column 32 b + col, in every lane
+                w = _ir_load(builder, xrow[t], builder.add(xo, c(col)), _I32, 1)
+                return builder.bitcast(_ir_splat(builder, w, 16), v64b)
 
-                def x4(t, col):  # the 4 bytes of row t's x from column 32 b + col, in every lane
-                    w = _ir_load(builder, xrow[t], builder.add(xo, c(col)), _I32, 1)
-                    return builder.bitcast(_ir_splat(builder, w, 16), v64b)
+            for k in range(groups):
+                v = _ir_load(builder, pp, builder.add(ob, c(64 * k)), v64b, 1)
+                if groups == 8:  # one element a byte
+                    parts = [(v, 4 * k)]
+                else:
+                    parts = [(builder.and_(v, _const_vec(_I8, 64, 15)), 4 * k),
+                             (builder.lshr(v, _const_vec(_I8, 64, 4)), 16 + 4 * k)]
+                for u, col in parts:
+                    for t in range(tt):
+                        isum[t] = _ir_dpbusd(builder, isum[t], u, x4(t, col), isa)
+            od = builder.add(ob, c(64 * groups))
 
-                for k in range(groups):
-                    v = _ir_load(builder, pp, builder.add(ob, c(64 * k)), v64b, 1)
-                    if groups == 8:  # one element a byte
-                        parts = [(v, 4 * k)]
-                    else:
-                        parts = [(builder.and_(v, _const_vec(_I8, 64, 15)), 4 * k),
-                                 (builder.lshr(v, _const_vec(_I8, 64, 4)), 16 + 4 * k)]
-                    for u, col in parts:
-                        for t in range(tt):
-                            isum[t] = _ir_dpbusd(builder, isum[t], u, x4(t, col), isa)
-                od = builder.add(ob, c(64 * groups))
-
-                def scales(at):  # the 16 rows' d or m, float32
-                    if sbytes == 4:
-                        return _ir_load(builder, pp, at, v16f, 4)
-                    return _ir_f16_vec(builder, _ir_load(builder, pp, at, _vec(_I16, 16), 1))
-                dw = scales(od)
-                mw = scales(builder.add(od, c(16 * sbytes))) if has_m else None
-                for t in range(tt):
-                    at = builder.add(brow[t], b)
-                    s = isum[t]
-                    if bias:
-                        xi = _ir_load(builder, ip, at, _I32, 4)
-                        s = builder.sub(s, _ir_splat(builder, builder.mul(xi, ir.Constant(_I32, bias)), 16))
-                    scale = builder.fmul(dw, _ir_splat(builder, _ir_load(builder, dp, at, _F32T, 4), 16))
-                    a = _ir_call(builder, "llvm.fma.v16f32", v16f,
-                                 [builder.sitofp(s, v16f), scale, builder.load(acc[t])])
-                    if has_m:
-                        a = _ir_call(builder, "llvm.fma.v16f32", v16f,
-                                     [mw, _ir_splat(builder, _ir_load(builder, sp, at, _F32T, 4), 16), a])
-                    builder.store(a, acc[t])
+            def scales(at):  # the 16 rows' d or m, float32
+                if sbytes == 4:
+                    return _ir_load(builder, pp, at, v16f, 4)
+                return _ir_f16_vec(builder, _ir_load(builder, pp, at, _vec(_I16, 16), 1))
+            dw = scales(od)
+            mw = scales(builder.add(od, c(16 * sbytes))) if has_m else None
             for t in range(tt):
-                ptr = builder.bitcast(builder.gep(tmp, [builder.mul(rows[t], c(PANEL))]), v16f.as_pointer())
-                builder.store(builder.load(acc[t]), ptr, align=4)
-            return context.get_dummy_value()
+                at = builder.add(brow[t], b)
+                s = isum[t]
+                if bias:
+                    xi = _ir_load(builder, ip, at, _I32, 4)
+                    s = builder.sub(s, _ir_splat(builder, builder.mul(xi, ir.Constant(_I32, bias)), 16))
+                scale = builder.fmul(dw, _ir_splat(builder, _ir_load(builder, dp, at, _F32T, 4), 16))
+                a = _ir_call(builder, "llvm.fma.v16f32", v16f, [builder.sitofp(s, v16f), scale, builder.load(acc[t])])
+                if has_m:
+                    a = _ir_call(builder, "llvm.fma.v16f32", v16f,
+                                 [mw, _ir_splat(builder, _ir_load(builder, sp, at, _F32T, 4), 16), a])
+                builder.store(a, acc[t])
+        for t in range(tt):
+            ptr = builder.bitcast(builder.gep(tmp, [builder.mul(rows[t], c(PANEL))]), v16f.as_pointer())
+            builder.store(builder.load(acc[t]), ptr, align=4)
 
-        def ok(panel, xq, xd, xs, xi, t0, tmp):
-            def c_array(ty, ndim, dtype):
-                return isinstance(ty, types.Array) and ty.ndim == ndim and ty.layout == "C" and ty.dtype == dtype
-            return (c_array(panel, 1, types.uint8) and c_array(xq, 2, types.int8) and c_array(xd, 2, types.float32)
-                    and c_array(xs, 2, types.float32) and c_array(xi, 2, types.int32)
-                    and isinstance(t0, types.Integer) and c_array(tmp, 2, types.float32))
+    def codegen(context, builder, sig, args):
+        code = context.cast(builder, args[0], sig.args[0], types.intp)
+        arrs = [context.make_array(ty)(context, builder, a) for ty, a in zip(sig.args[1:], args[1:])]
+        n = builder.extract_value(arrs[1].shape, 1)
+        T = builder.extract_value(arrs[1].shape, 0)
+        arrays = [a.data for a in arrs] + [n]
+        full = builder.sdiv(T, ir.Constant(T.type, _TT))
+        for qt, kind in _CODES.items():
+            with builder.if_then(builder.icmp_signed("==", code, ir.Constant(code.type, qt))):
+                with cgutils.for_range(builder, full) as loop:
+                    tile(builder, kind, arrays, builder.mul(loop.index, ir.Constant(T.type, _TT)), _TT)
+                with cgutils.for_range(builder, builder.srem(T, ir.Constant(T.type, _TT))) as loop:
+                    t0 = builder.add(builder.mul(full, ir.Constant(T.type, _TT)), loop.index)
+                    tile(builder, kind, arrays, t0, 1)
+        return context.get_dummy_value()
 
-        def tile(typingctx, panel, xq, xd, xs, xi, t0, tmp):
-            if not ok(panel, xq, xd, xs, xi, t0, tmp):
-                return None
-            return types.none(panel, xq, xd, xs, xi, t0, tmp), codegen
+    def c_array(ty, ndim, dtype):
+        return isinstance(ty, types.Array) and ty.ndim == ndim and ty.layout == "C" and ty.dtype == dtype
 
-        tile.__name__ = f"_tile_{kind}_{tt}"
-        return intrinsic(tile)
+    @intrinsic
+    def panel_dots(typingctx, code, panel, xq, xd, xs, xi, tmp):
+        if not (isinstance(code, types.Integer) and c_array(panel, 1, types.uint8) and c_array(xq, 2, types.int8)
+                and c_array(xd, 2, types.float32) and c_array(xs, 2, types.float32)
+                and c_array(xi, 2, types.int32) and c_array(tmp, 2, types.float32)):
+            return None
+        return types.none(code, panel, xq, xd, xs, xi, tmp), codegen
 
-    return {(kind, tt): make(kind, tt) for kind in _KINDS for tt in (_TT, 1)}
+    return panel_dots
 
 
-_TILES = _make_tiles(DOT_ISA)
-_t41, _t44 = _TILES["q4_1", 1], _TILES["q4_1", _TT]
-_t01, _t04 = _TILES["q4_0", 1], _TILES["q4_0", _TT]
-_t81, _t84 = _TILES["q8_0", 1], _TILES["q8_0", _TT]
-_t51, _t54 = _TILES["q5_0", 1], _TILES["q5_0", _TT]
-_t151, _t154 = _TILES["q5_1", 1], _TILES["q5_1", _TT]
-_tk1, _tk4 = _TILES["q4_k", 1], _TILES["q4_k", _TT]
+_panel_dots = _make_panel_dots(DOT_ISA)
 
 
 @njit(cache=True)
 def _panel_rows(code, pw, p, xq, xd, xs, xi, tmp):
     """tmp[t, i] = dot(row 16 p + i of the weight whose panels are `pw`, x_t) for every
-    activation row t (tmp: (T, 16) float32), tiles of _TT rows and then single rows."""
-    T = xq.shape[0]
-    full = T - T % _TT
-    panel = pw[p]
-    if code == _Q4_1:
-        for t0 in range(0, full, _TT):
-            _t44(panel, xq, xd, xs, xi, t0, tmp)
-        for t0 in range(full, T):
-            _t41(panel, xq, xd, xs, xi, t0, tmp)
-    elif code == _Q8_0:
-        for t0 in range(0, full, _TT):
-            _t84(panel, xq, xd, xs, xi, t0, tmp)
-        for t0 in range(full, T):
-            _t81(panel, xq, xd, xs, xi, t0, tmp)
-    elif code == _Q5_0:
-        for t0 in range(0, full, _TT):
-            _t54(panel, xq, xd, xs, xi, t0, tmp)
-        for t0 in range(full, T):
-            _t51(panel, xq, xd, xs, xi, t0, tmp)
-    elif code == _Q5_1:
-        for t0 in range(0, full, _TT):
-            _t154(panel, xq, xd, xs, xi, t0, tmp)
-        for t0 in range(full, T):
-            _t151(panel, xq, xd, xs, xi, t0, tmp)
-    elif code == _Q4_K:
-        for t0 in range(0, full, _TT):
-            _tk4(panel, xq, xd, xs, xi, t0, tmp)
-        for t0 in range(full, T):
-            _tk1(panel, xq, xd, xs, xi, t0, tmp)
-    else:
-        for t0 in range(0, full, _TT):
-            _t04(panel, xq, xd, xs, xi, t0, tmp)
-        for t0 in range(full, T):
-            _t01(panel, xq, xd, xs, xi, t0, tmp)
+    activation row t (tmp: (T, 16) float32)."""
+    _panel_dots(code, pw[p], xq, xd, xs, xi, tmp)
 
 
 @njit(cache=True)
