@@ -17,8 +17,8 @@ Products: the packed activations go through the row kernels (engine/ops.py: RowO
 int8 activations PanelOps), which read every weight once per pass (q/k/v share one parallel
 region, gate/up and the GLU another; the per-token norms and RoPE run serially). Passes run
 in chunks of CHUNK_TOKENS packed tokens (a later chunk attends to keys an earlier one wrote),
-which keeps the activations in cache. Weights whose sizes are not whole 32-element blocks take the tiled-dequant + BLAS
-path, as Model.forward's prefill does.
+which keeps the activations in cache. Weights whose sizes are not whole 32-element blocks
+take the tiled-dequant + BLAS path, as Model.forward's prefill does.
 
 Continuous batching (generation/scheduler.py) and beam search (generation/beam.py) step
 many sequences through `forward_batch`.
