@@ -13,10 +13,10 @@ keys through its page table. There is no padding, so no mask: a token of sequenc
 position p sees exactly positions 0..p of sequence b. (`batch_mask` shows the padded
 alternative, for callers of `attention.attend`.)
 
-Products: the packed activations go through the row kernels (engine/ops.py: RowOps, or with
-int8 activations PanelOps), which read every weight once per pass (q/k/v share one parallel
-region, gate/up and the GLU another; the per-token norms and RoPE run serially). Passes run
-in chunks of CHUNK_TOKENS packed tokens (a later chunk attends to keys an earlier one wrote),
+Products: the packed activations go through the panel kernels (engine/ops.py: PanelOps, in
+float32 or with int8 activations; RowOps for weights without panels), which read every
+weight once per pass (q/k/v share one parallel region, gate/up and the GLU another; the
+per-token norms and RoPE run serially). Passes run in chunks of CHUNK_TOKENS packed tokens (a later chunk attends to keys an earlier one wrote),
 which keeps the activations in cache. Weights whose sizes are not whole 32-element blocks
 take the tiled-dequant + BLAS path, as Model.forward's prefill does.
 
@@ -36,7 +36,7 @@ from ..kernels.paged_attention import _paged_kernel, plan_blocks
 from ..kernels.rows import _rmsnorm_rows
 from ..kernels.threads import check_threads, using_threads
 from . import block
-from .ops import PanelOps, RowOps, fits_rows
+from .ops import PanelOps, fits_rows
 
 __all__ = ["forward_batch", "decode_alone", "batch_mask"]
 
@@ -121,11 +121,12 @@ def forward_batch(model, pool: KVPool, seqs: Sequence[PoolSeq], token_lists, *, 
 
 
 def _ops(model, attention, rows_kernels):
-    """The pass's pieces: PanelOps with int8 activations, else RowOps; with weights whose sizes
-    are not whole blocks, every product through the tiled-dequant + BLAS path."""
+    """The pass's pieces: PanelOps (int8 or float32 activations, as the model's mode); with
+    weights whose sizes are not whole blocks, every product through the tiled-dequant + BLAS
+    path."""
     if not rows_kernels:
         return block.Ops(model.config, lambda w, h: w @ h, attention)
-    return PanelOps(model, attention) if model.activations == "int8" else RowOps(model.config, attention)
+    return PanelOps(model, attention, int8=model.activations == "int8")
 
 
 def decodes_alone(model) -> bool:

@@ -1,22 +1,21 @@
 """How the block's pieces are computed for many tokens at once (block.Ops' subclasses).
 
-`RowOps`: the exact mode's batched path; products by the row kernels of kernels/rows.py (one
-parallel region for q/k/v, one for gate/up with the activation), serial per-token norms and
-RoPE.
+`RowOps`: products by the row kernels of kernels/rows.py on the GGUF blocks (one parallel
+region for q/k/v, one for gate/up with the activation), serial per-token norms and RoPE.
 
-`PanelOps`: the int8 mode's prefill and batched paths; as RowOps, but the products of weights
-with panel kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K: kernels/panels_i8.py) quantize their
-input rows to int8 blocks (once for q/k/v and once for gate/up) and run on the weight's
-panels, which the model packs at first use (`Transformer.panels`). Each token's products
-depend only on its own row, so a token gives the same results in a batch as alone. Weights of
-other types take RowOps'.
+`PanelOps`: the batched path's pieces (both modes) and the int8 mode's prefill; as RowOps,
+but the products of weights with panel kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K:
+kernels/panels.py) run on the weight's panels, which the model packs at first use
+(`Transformer.panels`), their input rows in float32 or (int8=True) quantized to int8 blocks,
+once for q/k/v and once for gate/up. Each token's products depend only on its own row, so a
+token gives the same results in a batch as alone. Weights of other types take RowOps'.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ..kernels.nn import ACTS
-from ..kernels.panels_i8 import _gate_up_panels, _matmul_panels, _qkv_panels, quantize_rows
+from ..kernels.panels import _gate_up_panels, _matmul_panels, _qkv_panels, activation_rows
 from ..kernels.rows import _gate_up_rows, _matmul_rows, _qkv_rows, _rmsnorm_rows, _rope_rows
 from . import block
 
@@ -69,40 +68,40 @@ class RowOps(block.Ops):
 
 
 class PanelOps(RowOps):
-    """The int8 mode's pieces (the module's docstring); `model.panels(w)` gives a weight's
-    panels, or None for a weight without them."""
+    """Products on panels (the module's docstring); `model.panels(w)` gives a weight's panels,
+    or None for a weight without them."""
 
-    def __init__(self, model, attention):
+    def __init__(self, model, attention, *, int8: bool):
         super().__init__(model.config, attention)
-        self.panels = model.panels
+        self.panels, self.int8 = model.panels, int8
         self.product = self._product
 
     def _product(self, w, h):
         pw = self.panels(w)
         if pw is None:
             return _product_rows(w, h)
-        xq, xd, xs, xi = quantize_rows(h)
+        xr = activation_rows(h, self.int8)
         out = np.empty((h.shape[0], w.rows), np.float32)
-        _matmul_panels(int(w.qtype), pw, w.rows, xq, xd, xs, xi, out)
+        _matmul_panels(int(w.qtype), pw, w.rows, xr, out)
         return out
 
     def qkv(self, L, h):
         pq, pk, pv = ps = [self.panels(w) for w in (L.wq, L.wk, L.wv)]
         if any(p is None for p in ps):  # RowOps' for none with panels, else one product each
             return (RowOps.qkv if all(p is None for p in ps) else block.Ops.qkv)(self, L, h)
-        xq, xd, xs, xi = quantize_rows(h)
+        xr = activation_rows(h, self.int8)
         T = h.shape[0]
         q = np.empty((T, L.wq.rows), np.float32)
         k = np.empty((T, L.wk.rows), np.float32)
         v = np.empty((T, L.wv.rows), np.float32)
-        _qkv_panels(int(L.wq.qtype), pq, int(L.wk.qtype), pk, int(L.wv.qtype), pv, xq, xd, xs, xi, q, k, v)
+        _qkv_panels(int(L.wq.qtype), pq, int(L.wk.qtype), pk, int(L.wv.qtype), pv, xr, q, k, v)
         return q, k, v
 
     def glu(self, gate, up, h):
         pg, pu = self.panels(gate), self.panels(up)
         if pg is None or pu is None:
             return (RowOps.glu if pg is None and pu is None else block.Ops.glu)(self, gate, up, h)
-        xq, xd, xs, xi = quantize_rows(h)
+        xr = activation_rows(h, self.int8)
         out = np.empty((h.shape[0], gate.rows), np.float32)
-        _gate_up_panels(int(gate.qtype), pg, int(up.qtype), pu, xq, xd, xs, xi, out, self.act)
+        _gate_up_panels(int(gate.qtype), pg, int(up.qtype), pu, xr, out, self.act)
         return out

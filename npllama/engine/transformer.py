@@ -21,7 +21,7 @@ from ..errors import GGUFError, PositionError
 from ..gguf.reader import GGUFFile, ModelConfig
 from ..kernels.attention import attend
 from ..kernels.nn import rmsnorm
-from ..kernels.panels_i8 import has_panels, pack_panels
+from ..kernels.panels import has_panels, pack_panels
 from ..kernels.rope import Ropes
 from ..kernels.rows import matmul_rows as mm  # x @ W.T reading each weight row once, for a few to hundreds of rows
 from ..kernels.threads import check_threads, physical_cores, using_threads
@@ -188,9 +188,10 @@ class Transformer:
         return self._plan
 
     def panels(self, w: QWeight) -> np.ndarray | None:
-        """With int8 activations, the panels (kernels/panels_i8.py) of a weight of a type that
-        has them, packed at first use and kept (a second copy of the weight); else None."""
-        if self.activations != "int8" or not has_panels(w.qtype) or w.cols % 32:
+        """The panels (kernels/panels.py) of a weight of a type that has them, packed at first
+        use and kept (a second copy of the weight, for the batched pass and the int8 mode's
+        prefill); else None."""
+        if not has_panels(w.qtype) or w.cols % 32:
             return None
         with self._panels_lock:
             if w.name not in self._panels:
@@ -237,7 +238,7 @@ class Transformer:
 
         # int8 activations: products by the panel kernels where the weights have them
         if self.activations == "int8" and fits_rows(cfg):
-            ops = PanelOps(self, cached_attention)
+            ops = PanelOps(self, cached_attention, int8=True)
         else:
             ops = block.Ops(cfg, mm, cached_attention)
         x = block.run_layers(self, block.embed(self, ids), positions, ops, end)

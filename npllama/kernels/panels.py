@@ -1,5 +1,7 @@
-"""Products of many activation rows with int8 activations: the int8 mode's prefill and batched
-passes (rows.py is the exact mode's; quants_int8.py has the decode step's one-row dots).
+"""Products of many activation rows on weights laid out in panels of 16 rows: with int8
+activations (the int8 mode's prefill and batched passes) and with float32 ones (the exact
+mode's batched pass). rows.py has the exact products on the GGUF blocks (prefill); quants.py
+and quants_int8.py the decode step's one-row dots.
 
 Panels
 ------
@@ -18,8 +20,8 @@ block; for each block of 32 columns:
 so a panel block is the size of its 16 GGUF blocks (Q4_1 320 bytes, Q4_0 288, Q8_0 544), or
 1.5 times it (Q5_0 544 bytes, Q5_1 576), or 4/3 (Q4_K 384).
 
-The micro-kernel
-----------------
+The int8 micro-kernel
+---------------------
 Each activation row x is quantized per block of 32 as the decode step quantizes it
 (`quants_int8._quantize_x_q8`: int8 q, scale d_x, s_x = d_x sum q), plus the integer sum of
 the block's q. For a panel and a tile of up to 4 activation rows, per block: each 64-byte
@@ -35,15 +37,26 @@ the tile size, so a row's products do not depend on the other rows beside it (ba
 equal single runs bit for bit). The dot is vpdpbusd where the CPU has AVX512-VNNI, two 256-bit
 ones with AVX-VNNI, else portable IR (widening multiplies; `_make_panel_dots(isa)` builds any).
 
+The float32 micro-kernel
+------------------------
+For a panel and a tile of up to 8 activation rows (then 4, then 1), per block: each column's
+16 weights (one per row: a shift and a mask of a 64-byte vector) are converted to float32
+exactly, w_r = d_r q_r + m_r (or d_r (q_r - bias)), and multiplied-added with the column's x
+value of each row of the tile, broadcast: acc_r += w_r x_t. Each weight is dequantized once
+per tile, in registers, and a row's sum runs over the columns in one fixed order whatever the
+tile, so here too a row's products do not depend on the rows beside it.
+
 Njit level (C-contiguous arrays, nothing raises):
 
 * ``_quantize_rows(x, xq, xd, xs, xi)``: each row of x (T, n) float32 quantized.
-* ``_panel_rows(code, pw, p, xq, xd, xs, xi, tmp)``: tmp[t, :] = the 16 products of panel p
-  with every activation row t (tmp: (T, 16) float32), by the micro-kernel ``_panel_dots``.
+* ``xr``, the activation rows as the products take them: ``(xq, xd, xs, xi)`` from
+  ``quantize_rows`` (int8), or ``(x,)`` with x (T, n) float32.
+* ``_panel_rows(code, pw, p, xr, tmp)``: tmp[t, :] = the 16 products of panel p with every
+  activation row t (tmp: (T, 16) float32), by the micro-kernel ``_panel_dots``.
 * ``_matmul_panels``, ``_qkv_panels``, ``_gate_up_panels``: the products, parallel over panels.
 
 Python level: ``has_panels(qtype)``, ``pack_panels(data, qtype)``, ``quantize_rows(x)`` and
-``matmul_panels(panels, qtype, rows, x)``.
+``matmul_panels(panels, qtype, rows, x, int8=True)``.
 """
 from __future__ import annotations
 
@@ -58,10 +71,11 @@ from .nn import _glu1
 from .quants import _F32T, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q4_K, _Q5_0, _Q5_1, _Q8_0, _const_vec, _ir_call, _ir_load, _ir_splat, _shuffle, _vec
 from .quants_int8 import DOT_ISA, _ir_f16_vec, _quantize_x_q8
 
-__all__ = ["PANEL", "has_panels", "pack_panels", "quantize_rows", "matmul_panels"]
+__all__ = ["PANEL", "has_panels", "pack_panels", "quantize_rows", "activation_rows", "matmul_panels"]
 
 PANEL = 16  # weight rows per panel: the int32 lanes of a 512-bit vector
-_TT = 4     # activation rows per tile of the micro-kernel
+_TT = 4     # activation rows per tile of the int8 micro-kernel
+_TT_F32 = (8, 4, 1)  # the float32 micro-kernel's tiles, largest first
 
 # kind: (GGUF block bytes, offset of its quants, 4-byte groups per block, panel block bytes, bias,
 #        has m, bytes of a panel's d and m)
@@ -230,13 +244,20 @@ def _ir_dpbusd(builder, acc, u, s, isa):
 
 
 def _make_panel_dots(isa: str):
-    """The micro-kernel for `isa` (see quants_int8._dot_isa), an intrinsic
-    ``panel_dots(code, panel, xq, xd, xs, xi, tmp)``: tmp[t, i] = dot(row i of the panel, x_t)
-    for every activation row t (tmp: (T, 16) float32) of a weight of type `code` (one with
-    panels), in tiles of _TT rows and then single rows."""
+    """The micro-kernels for `isa` (see quants_int8._dot_isa; the float32 one is the same IR
+    everywhere), an intrinsic ``panel_dots(code, panel, xr, tmp)``: tmp[t, i] = dot(row i of
+    the panel, x_t) for every activation row t (tmp: (T, 16) float32) of a weight of type
+    `code` (one with panels), xr int8 (4 arrays) or float32 (1 array)."""
     v16i, v16f, v64b = _vec(_I32, 16), _vec(_F32T, 16), _vec(_I8, 64)
 
-    def tile(builder, kind, arrays, t0, tt):  # tmp[t0 + t, :] for t < tt
+    def scales(builder, pp, at, sbytes, has_m):  # the 16 rows' d (and m), float32
+        def load(at):
+            if sbytes == 4:
+                return _ir_load(builder, pp, at, v16f, 4)
+            return _ir_f16_vec(builder, _ir_load(builder, pp, at, _vec(_I16, 16), 1))
+        return load(at), (load(builder.add(at, ir.Constant(at.type, 16 * sbytes))) if has_m else None)
+
+    def tile(builder, kind, arrays, t0, tt):  # tmp[t0 + t, :] for t < tt, int8 x
         _, _, groups, pbs, bias, has_m, sbytes = _KINDS[kind]
         pp, qp, dp, sp, ip, tmp, n = arrays
         nb = builder.sdiv(n, ir.Constant(n.type, 32))
@@ -265,14 +286,7 @@ def _make_panel_dots(isa: str):
                 for u, col in parts:
                     for t in range(tt):
                         isum[t] = _ir_dpbusd(builder, isum[t], u, x4(t, col), isa)
-            od = builder.add(ob, c(64 * groups))
-
-            def scales(at):  # the 16 rows' d or m, float32
-                if sbytes == 4:
-                    return _ir_load(builder, pp, at, v16f, 4)
-                return _ir_f16_vec(builder, _ir_load(builder, pp, at, _vec(_I16, 16), 1))
-            dw = scales(od)
-            mw = scales(builder.add(od, c(16 * sbytes))) if has_m else None
+            dw, mw = scales(builder, pp, builder.add(ob, c(64 * groups)), sbytes, has_m)
             for t in range(tt):
                 at = builder.add(brow[t], b)
                 s = isum[t]
@@ -289,32 +303,79 @@ def _make_panel_dots(isa: str):
             ptr = builder.bitcast(builder.gep(tmp, [builder.mul(rows[t], c(PANEL))]), v16f.as_pointer())
             builder.store(builder.load(acc[t]), ptr, align=4)
 
+    def tile_f32(builder, kind, arrays, t0, tt):  # tmp[t0 + t, :] for t < tt, float32 x
+        _, _, groups, pbs, bias, has_m, sbytes = _KINDS[kind]
+        pp, xp, tmp, n = arrays
+        nb = builder.sdiv(n, ir.Constant(n.type, 32))
+        c = lambda v: ir.Constant(n.type, v)  # noqa: E731
+        rows = [builder.add(t0, c(t)) for t in range(tt)]
+        xrow = [builder.gep(xp, [builder.mul(r, n)]) for r in rows]
+        acc = [cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for _ in range(tt)]
+        with cgutils.for_range(builder, nb) as loop:
+            b = loop.index
+            ob = builder.mul(b, c(pbs))
+            xo = builder.mul(b, c(32))
+            dw, mw = scales(builder, pp, builder.add(ob, c(64 * groups)), sbytes, has_m)
+            a = [builder.load(x) for x in acc]
+            for k in range(groups):
+                v = _ir_load(builder, pp, builder.add(ob, c(64 * k)), v16i, 1)  # lane r: row r's 4 bytes
+                if groups == 8:   # (column, shift, mask) of each element in the lane
+                    cols = [(4 * k + i, 8 * i, 255) for i in range(4)]
+                else:
+                    cols = [(4 * k + i, 8 * i, 15) for i in range(4)] + [(16 + 4 * k + i, 8 * i + 4, 15) for i in range(4)]
+                for col, shift, mask in cols:
+                    q = builder.and_(builder.lshr(v, _const_vec(_I32, 16, shift)), _const_vec(_I32, 16, mask))
+                    if bias:
+                        q = builder.sub(q, _const_vec(_I32, 16, bias))
+                    f = builder.sitofp(q, v16f)
+                    w = _ir_call(builder, "llvm.fma.v16f32", v16f, [f, dw, mw]) if has_m else builder.fmul(f, dw)
+                    for t in range(tt):
+                        xv = _ir_splat(builder, _ir_load(builder, xrow[t], builder.add(xo, c(col)), _F32T, 4), 16)
+                        a[t] = _ir_call(builder, "llvm.fma.v16f32", v16f, [w, xv, a[t]])
+            for t in range(tt):
+                builder.store(a[t], acc[t])
+        for t in range(tt):
+            ptr = builder.bitcast(builder.gep(tmp, [builder.mul(rows[t], c(PANEL))]), v16f.as_pointer())
+            builder.store(builder.load(acc[t]), ptr, align=4)
+
     def codegen(context, builder, sig, args):
         code = context.cast(builder, args[0], sig.args[0], types.intp)
-        arrs = [context.make_array(ty)(context, builder, a) for ty, a in zip(sig.args[1:], args[1:])]
+        xr = cgutils.unpack_tuple(builder, args[2])
+        arrs = ([context.make_array(sig.args[1])(context, builder, args[1])]
+                + [context.make_array(ty)(context, builder, a) for ty, a in zip(sig.args[2], xr)]
+                + [context.make_array(sig.args[3])(context, builder, args[3])])
         n = builder.extract_value(arrs[1].shape, 1)
         T = builder.extract_value(arrs[1].shape, 0)
         arrays = [a.data for a in arrs] + [n]
-        full = builder.sdiv(T, ir.Constant(T.type, _TT))
+        int8 = len(xr) == 4
+        sizes, emit = ((_TT, 1), tile) if int8 else (_TT_F32, tile_f32)
         for qt, kind in _CODES.items():
             with builder.if_then(builder.icmp_signed("==", code, ir.Constant(code.type, qt))):
-                with cgutils.for_range(builder, full) as loop:
-                    tile(builder, kind, arrays, builder.mul(loop.index, ir.Constant(T.type, _TT)), _TT)
-                with cgutils.for_range(builder, builder.srem(T, ir.Constant(T.type, _TT))) as loop:
-                    t0 = builder.add(builder.mul(full, ir.Constant(T.type, _TT)), loop.index)
-                    tile(builder, kind, arrays, t0, 1)
+                done = ir.Constant(T.type, 0)
+                for tt in sizes:  # as many tiles of tt rows as fit in the rows left, then smaller ones
+                    count = builder.sdiv(builder.sub(T, done), ir.Constant(T.type, tt))
+                    with cgutils.for_range(builder, count) as loop:
+                        emit(builder, kind, arrays, builder.add(done, builder.mul(loop.index, ir.Constant(T.type, tt))), tt)
+                    done = builder.add(done, builder.mul(count, ir.Constant(T.type, tt)))
         return context.get_dummy_value()
 
     def c_array(ty, ndim, dtype):
         return isinstance(ty, types.Array) and ty.ndim == ndim and ty.layout == "C" and ty.dtype == dtype
 
+    def activations(xr):  # (xq, xd, xs, xi) int8, or (x,) float32
+        if not isinstance(xr, types.BaseTuple):
+            return False
+        if len(xr) == 1:
+            return c_array(xr[0], 2, types.float32)
+        return (len(xr) == 4 and c_array(xr[0], 2, types.int8) and c_array(xr[1], 2, types.float32)
+                and c_array(xr[2], 2, types.float32) and c_array(xr[3], 2, types.int32))
+
     @intrinsic
-    def panel_dots(typingctx, code, panel, xq, xd, xs, xi, tmp):
-        if not (isinstance(code, types.Integer) and c_array(panel, 1, types.uint8) and c_array(xq, 2, types.int8)
-                and c_array(xd, 2, types.float32) and c_array(xs, 2, types.float32)
-                and c_array(xi, 2, types.int32) and c_array(tmp, 2, types.float32)):
+    def panel_dots(typingctx, code, panel, xr, tmp):
+        if not (isinstance(code, types.Integer) and c_array(panel, 1, types.uint8) and activations(xr)
+                and c_array(tmp, 2, types.float32)):
             return None
-        return types.none(code, panel, xq, xd, xs, xi, tmp), codegen
+        return types.none(code, panel, xr, tmp), codegen
 
     return panel_dots
 
@@ -323,10 +384,10 @@ _panel_dots = _make_panel_dots(DOT_ISA)
 
 
 @njit(cache=True)
-def _panel_rows(code, pw, p, xq, xd, xs, xi, tmp):
+def _panel_rows(code, pw, p, xr, tmp):
     """tmp[t, i] = dot(row 16 p + i of the weight whose panels are `pw`, x_t) for every
-    activation row t (tmp: (T, 16) float32)."""
-    _panel_dots(code, pw[p], xq, xd, xs, xi, tmp)
+    activation row t of xr (tmp: (T, 16) float32)."""
+    _panel_dots(code, pw[p], xr, tmp)
 
 
 @njit(cache=True)
@@ -338,57 +399,67 @@ def _store(tmp, out, p, rows):
 
 
 @njit(parallel=True, cache=True)
-def _matmul_panels(code, pw, rows, xq, xd, xs, xi, out):
+def _matmul_panels(code, pw, rows, xr, out):
     """out (T, rows) = x @ W.T for the panels `pw` of a weight of `rows` rows, parallel over panels."""
     for p in prange(pw.shape[0]):
-        tmp = np.empty((xq.shape[0], PANEL), np.float32)
-        _panel_rows(code, pw, p, xq, xd, xs, xi, tmp)
+        tmp = np.empty((xr[0].shape[0], PANEL), np.float32)
+        _panel_rows(code, pw, p, xr, tmp)
         _store(tmp, out, p, rows)
 
 
 @njit(parallel=True, cache=True)
-def _qkv_panels(cq, pq, ck, pk, cv, pv, xq, xd, xs, xi, q, k, v):
+def _qkv_panels(cq, pq, ck, pk, cv, pv, xr, q, k, v):
     """q, k, v = x @ Wq.T, x @ Wk.T, x @ Wv.T in one parallel region over all their panels."""
     nq, nk = pq.shape[0], pk.shape[0]
     for c in prange(nq + nk + pv.shape[0]):
-        tmp = np.empty((xq.shape[0], PANEL), np.float32)
+        tmp = np.empty((xr[0].shape[0], PANEL), np.float32)
         if c < nq:
-            _panel_rows(cq, pq, c, xq, xd, xs, xi, tmp)
+            _panel_rows(cq, pq, c, xr, tmp)
             _store(tmp, q, c, q.shape[1])
         elif c < nq + nk:
-            _panel_rows(ck, pk, c - nq, xq, xd, xs, xi, tmp)
+            _panel_rows(ck, pk, c - nq, xr, tmp)
             _store(tmp, k, c - nq, k.shape[1])
         else:
-            _panel_rows(cv, pv, c - nq - nk, xq, xd, xs, xi, tmp)
+            _panel_rows(cv, pv, c - nq - nk, xr, tmp)
             _store(tmp, v, c - nq - nk, v.shape[1])
 
 
 @njit(parallel=True, cache=True)
-def _gate_up_panels(cg, pg, cu, pu, xq, xd, xs, xi, out, act):
+def _gate_up_panels(cg, pg, cu, pu, xr, out, act):
     """out = act(x @ Wg.T) * (x @ Wu.T), the GLU fused per panel (act: a code of nn.ACTS)."""
     T, rows = out.shape
     for p in prange(pg.shape[0]):
         g = np.empty((T, PANEL), np.float32)
         u = np.empty((T, PANEL), np.float32)
-        _panel_rows(cg, pg, p, xq, xd, xs, xi, g)
-        _panel_rows(cu, pu, p, xq, xd, xs, xi, u)
+        _panel_rows(cg, pg, p, xr, g)
+        _panel_rows(cu, pu, p, xr, u)
         for t in range(T):
             for i in range(min(PANEL, rows - p * PANEL)):
                 out[t, p * PANEL + i] = _glu1(g[t, i], u[t, i], act)
 
 
-def matmul_panels(panels: np.ndarray, qtype, rows: int, x) -> np.ndarray:
+def activation_rows(x, int8: bool) -> tuple:
+    """x (T, n), n a multiple of 32, as the products take it (`xr`): quantized, or float32."""
+    if int8:
+        return quantize_rows(x)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] % 32:
+        raise ValueError(f"x must have shape (T, n) with n a multiple of 32, got {x.shape}")
+    return (x,)
+
+
+def matmul_panels(panels: np.ndarray, qtype, rows: int, x, *, int8: bool = True) -> np.ndarray:
     """x @ W.T (T, rows) for a weight W of `rows` rows given by its panels (`pack_panels`) and
-    activation rows x (T, n), x quantized to int8 blocks."""
+    activation rows x (T, n): x quantized to int8 blocks, or with int8=False in float32."""
     kind = _CODES.get(int(qtype))
     if kind is None:
         raise ValueError(f"no panel kernels for type {qtype!r}; they exist for {_TYPES}")
-    xq, xd, xs, xi = quantize_rows(x)
+    xr = activation_rows(x, int8)
+    T, n = xr[0].shape
     pbs = _KINDS[kind][3]
-    if panels.dtype != np.uint8 or panels.ndim != 2 or panels.shape != ((rows + PANEL - 1) // PANEL,
-                                                                         xq.shape[1] // 32 * pbs):
+    if panels.dtype != np.uint8 or panels.ndim != 2 or panels.shape != ((rows + PANEL - 1) // PANEL, n // 32 * pbs):
         raise ValueError(f"panels of shape {panels.shape} do not hold a {kind} weight of {rows} rows and "
-                         f"{xq.shape[1]} columns; make them with pack_panels")
-    out = np.empty((xq.shape[0], rows), np.float32)
-    _matmul_panels(int(qtype), np.ascontiguousarray(panels), rows, xq, xd, xs, xi, out)
+                         f"{n} columns; make them with pack_panels")
+    out = np.empty((T, rows), np.float32)
+    _matmul_panels(int(qtype), np.ascontiguousarray(panels), rows, xr, out)
     return out

@@ -1,6 +1,6 @@
-"""npllama.kernels.panels_i8: int8-activation products of many rows on weight panels, against
-gguf's dequantization and a float64 dot with the dequantized int8 activations, for every
-instruction set the micro-kernel can be compiled for on this machine."""
+"""npllama.kernels.panels: products of many rows on weight panels, against gguf's
+dequantization and a float64 dot with the activations (int8: their dequantized int8 blocks),
+for every instruction set the int8 micro-kernel can be compiled for on this machine."""
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -8,31 +8,36 @@ from gguf.constants import GGML_QUANT_SIZES
 import gguf.quants
 from numba import njit
 
-from npllama.kernels import panels_i8 as P
+from npllama.kernels import panels as P
 from npllama.kernels.nn import ACTS
 from test_quants_int8 import full_range_weight, ref_quantize, runnable_isas
 
 TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K]
+MODES = [True, False]  # int8 activations, float32 ones
+_KERNELS = {}
+
+
+def mode_id(int8):
+    return "int8" if int8 else "f32"
 
 
 def cols(qtype, blocks):
     """Columns of `blocks` GGUF blocks (Q4_K's: super-blocks of 256)."""
     return GGML_QUANT_SIZES[qtype][0] * blocks
-_KERNELS = {}
 
 
 def panel_kernel(isa):
-    """njit (code, pw, rows, xq, xd, xs, xi, out): `_matmul_panels` with the micro-kernel of
-    `isa` (serial, not cached)."""
+    """njit (code, pw, rows, xr, out): `_matmul_panels` with the micro-kernels of `isa`
+    (serial, not cached)."""
     if isa not in _KERNELS:
         dots, W = P._make_panel_dots(isa), P.PANEL
 
         @njit
-        def run(code, pw, rows, xq, xd, xs, xi, out):
-            T = xq.shape[0]
+        def run(code, pw, rows, xr, out):
+            T = xr[0].shape[0]
             tmp = np.empty((T, W), np.float32)
             for p in range(pw.shape[0]):
-                dots(code, pw[p], xq, xd, xs, xi, tmp)
+                dots(code, pw[p], xr, tmp)
                 for t in range(T):
                     for i in range(min(W, rows - p * W)):
                         out[t, p * W + i] = tmp[t, i]
@@ -40,35 +45,39 @@ def panel_kernel(isa):
     return _KERNELS[isa]
 
 
-def reference(data, qtype, rows, x):
-    """float64 x_q @ W.T: W from gguf's dequantization, x_q the dequantized int8 blocks of x."""
+def reference(data, qtype, rows, x, int8):
+    """float64 x' @ W.T: W from gguf's dequantization, x' = x or (int8) the dequantized int8
+    blocks of x; and |x'| @ |W|.T, the scale of the rounding."""
     w = gguf.quants.dequantize(data, qtype).reshape(rows, -1).astype(np.float64)
-    xq = np.stack([np.asarray(ref_quantize(r)[0], np.float64) * np.repeat(ref_quantize(r)[1], 32) for r in x])
-    return xq @ w.T, np.abs(xq) @ np.abs(w).T
+    if int8:
+        x = np.stack([np.asarray(ref_quantize(r)[0], np.float64) * np.repeat(ref_quantize(r)[1], 32) for r in x])
+    x = np.asarray(x, np.float64)
+    return x @ w.T, np.abs(x) @ np.abs(w).T
 
 
-def assert_close(out, data, qtype, rows, x):
-    ref, mag = reference(data, qtype, rows, x)
+def assert_close(out, data, qtype, rows, x, int8):
+    ref, mag = reference(data, qtype, rows, x, int8)
     assert out.shape == ref.shape
     np.testing.assert_array_less(np.abs(out - ref), 2e-6 * mag + 1e-30)
 
 
-@pytest.mark.parametrize("isa", runnable_isas())
+@pytest.mark.parametrize("isa, int8", [(isa, True) for isa in runnable_isas()] + [(runnable_isas()[-1], False)])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_products_every_isa(isa, qtype):
+def test_products_every_isa(isa, qtype, int8):
+    """int8 activations with each instruction set; float32 ones (the same IR for all) once."""
     rng = np.random.default_rng(int(qtype))
-    for rows, blocks, T in ((1, 1, 1), (16, 1, 4), (17, 2, 5), (37, 3, 9), (5, 18, 3), (33, 7, 8)):
+    for rows, blocks, T in ((1, 1, 1), (16, 1, 4), (17, 2, 5), (37, 3, 9), (5, 18, 3), (33, 7, 13)):
         data = full_range_weight(qtype, rows, blocks, rng)
         x = rng.normal(size=(T, cols(qtype, blocks))).astype(np.float32)
         x[0, :32] *= 100.0
-        xq, xd, xs, xi = P.quantize_rows(x)
         out = np.full((T, rows), np.nan, np.float32)
-        panel_kernel(isa)(int(qtype), P.pack_panels(data, qtype), rows, xq, xd, xs, xi, out)
-        assert_close(out, data, qtype, rows, x)
+        panel_kernel(isa)(int(qtype), P.pack_panels(data, qtype), rows, P.activation_rows(x, int8), out)
+        assert_close(out, data, qtype, rows, x, int8)
 
 
+@pytest.mark.parametrize("int8", MODES, ids=mode_id)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_matmul_panels(qtype):
+def test_matmul_panels(qtype, int8):
     """The compiled, parallel product; odd shapes, one row, non-contiguous input."""
     rng = np.random.default_rng(3)
     for rows, blocks, T in ((1, 1, 1), (3, 2, 1), (40, 5, 6), (64, 18, 17)):
@@ -76,23 +85,25 @@ def test_matmul_panels(qtype):
         pw = P.pack_panels(data, qtype)
         assert pw.shape == ((rows + 15) // 16, cols(qtype, blocks) // 32 * P._KINDS[P._CODES[int(qtype)]][3])
         x = rng.normal(size=(T, 2 * cols(qtype, blocks))).astype(np.float32)[:, ::2]  # not contiguous
-        out = P.matmul_panels(pw, qtype, rows, x)
-        assert_close(out, data, qtype, rows, x)
-        np.testing.assert_array_equal(out, P.matmul_panels(pw, qtype, rows, np.ascontiguousarray(x)))
+        out = P.matmul_panels(pw, qtype, rows, x, int8=int8)
+        assert_close(out, data, qtype, rows, x, int8)
+        np.testing.assert_array_equal(out, P.matmul_panels(pw, qtype, rows, np.ascontiguousarray(x), int8=int8))
 
 
+@pytest.mark.parametrize("int8", MODES, ids=mode_id)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_rows_do_not_depend_on_their_neighbours(qtype):
-    """A row's products are the same bits alone, first or last in a tile, or in the tail."""
+def test_rows_do_not_depend_on_their_neighbours(qtype, int8):
+    """A row's products are the same bits alone, anywhere in a tile of any size, or in a tail."""
     rng = np.random.default_rng(5)
     rows, blocks = 24, 4
     data = full_range_weight(qtype, rows, blocks, rng)
     pw = P.pack_panels(data, qtype)
-    x = rng.normal(size=(11, cols(qtype, blocks))).astype(np.float32)
-    together = P.matmul_panels(pw, qtype, rows, x)
+    x = rng.normal(size=(15, cols(qtype, blocks))).astype(np.float32)
+    together = P.matmul_panels(pw, qtype, rows, x, int8=int8)
     for t in range(len(x)):
-        np.testing.assert_array_equal(P.matmul_panels(pw, qtype, rows, x[t:t + 1])[0], together[t])
-    np.testing.assert_array_equal(P.matmul_panels(pw, qtype, rows, x[3:10]), together[3:10])
+        np.testing.assert_array_equal(P.matmul_panels(pw, qtype, rows, x[t:t + 1], int8=int8)[0], together[t])
+    for a, b in ((3, 10), (2, 14), (1, 6)):
+        np.testing.assert_array_equal(P.matmul_panels(pw, qtype, rows, x[a:b], int8=int8), together[a:b])
 
 
 def test_quantize_rows_as_the_decode_step():
@@ -109,17 +120,19 @@ def test_quantize_rows_as_the_decode_step():
         np.testing.assert_array_equal(xi[t], qs.reshape(-1, 32).astype(np.int64).sum(1))
 
 
-def test_a_nan_row_stays_in_its_row():
+@pytest.mark.parametrize("int8", MODES, ids=mode_id)
+def test_a_nan_row_stays_in_its_row(int8):
     rng = np.random.default_rng(2)
     data = full_range_weight(QT.Q4_1, 20, 2, rng)
     x = rng.normal(size=(5, 64)).astype(np.float32)
     x[2, 7] = np.nan
-    out = P.matmul_panels(P.pack_panels(data, QT.Q4_1), QT.Q4_1, 20, x)
+    out = P.matmul_panels(P.pack_panels(data, QT.Q4_1), QT.Q4_1, 20, x, int8=int8)
     assert np.isnan(out[2]).all()
     assert np.isfinite(np.delete(out, 2, axis=0)).all()
 
 
-def test_fused_products():
+@pytest.mark.parametrize("int8", MODES, ids=mode_id)
+def test_fused_products(int8):
     """q/k/v in one region and the GLU fused per panel, against the single products."""
     rng = np.random.default_rng(4)
     T, blocks = 6, 3
@@ -128,14 +141,14 @@ def test_fused_products():
                           ("u", QT.Q8_0, 33))}
     pw = {n: P.pack_panels(d, t) for n, (d, t, r) in ws.items()}
     x = rng.normal(size=(T, 32 * blocks)).astype(np.float32)
-    xr = P.quantize_rows(x)
-    single = {n: P.matmul_panels(pw[n], t, r, x) for n, (d, t, r) in ws.items()}
+    xr = P.activation_rows(x, int8)
+    single = {n: P.matmul_panels(pw[n], t, r, x, int8=int8) for n, (d, t, r) in ws.items()}
     q, k, v = (np.empty((T, ws[n][2]), np.float32) for n in "qkv")
-    P._qkv_panels(int(QT.Q4_1), pw["q"], int(QT.Q8_0), pw["k"], int(QT.Q4_0), pw["v"], *xr, q, k, v)
+    P._qkv_panels(int(QT.Q4_1), pw["q"], int(QT.Q8_0), pw["k"], int(QT.Q4_0), pw["v"], xr, q, k, v)
     for n, a in zip("qkv", (q, k, v)):
         np.testing.assert_array_equal(a, single[n])
     out = np.empty((T, 33), np.float32)
-    P._gate_up_panels(int(QT.Q4_1), pw["g"], int(QT.Q8_0), pw["u"], *xr, out, ACTS["silu"])
+    P._gate_up_panels(int(QT.Q4_1), pw["g"], int(QT.Q8_0), pw["u"], xr, out, ACTS["silu"])
     g = single["g"].astype(np.float64)
     np.testing.assert_allclose(out, g / (1 + np.exp(-g)) * single["u"], rtol=1e-5, atol=1e-6)
 
@@ -150,6 +163,7 @@ def test_errors():
     pw = P.pack_panels(data, QT.Q4_1)
     with pytest.raises(ValueError, match="do not hold a q4_1 weight"):
         P.matmul_panels(pw, QT.Q4_1, 4, np.zeros((2, 96), np.float32))
-    with pytest.raises(ValueError, match="multiple of 32"):
-        P.matmul_panels(pw, QT.Q4_1, 4, np.zeros((2, 60), np.float32))
+    for int8 in MODES:
+        with pytest.raises(ValueError, match="multiple of 32"):
+            P.matmul_panels(pw, QT.Q4_1, 4, np.zeros((2, 60), np.float32), int8=int8)
     assert P.has_panels(QT.Q8_0) and P.has_panels(QT.Q4_K) and not P.has_panels(QT.Q6_K)
