@@ -216,7 +216,7 @@ def quantize_rows(x) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
 
 
 # ---------------------------------------------------------------------------------------
-# The micro-kernel
+# The micro-kernels
 # ---------------------------------------------------------------------------------------
 
 def _ir_dpbusd(builder, acc, u, s, isa):
