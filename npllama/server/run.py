@@ -29,9 +29,9 @@ def build(model, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | No
           on_ready=None) -> _Uvicorn:
     """A uvicorn server for a loaded `model` (not yet running: call `.run()`, or `.serve()` in a loop).
 
-    For speed on a machine with few cores, load the model on a thread that has ended, as
-    `serve` does (see there), or on no thread but the engine's: not on the thread that runs
-    the server."""
+    For speed on a machine with few cores, no live thread but the engine's should have run
+    the model's compiled code: load the model on a thread that then ends, as `serve` does (see
+    there), not on the thread that will run the server."""
     engine = Engine(model, ctx=ctx, parallel=parallel, threads=threads)
     app = create_app(engine, model_id=model_id, api_key=api_key, cors_origins=cors_origins, max_body=max_body,
                      max_queue=max_queue)
