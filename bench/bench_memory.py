@@ -6,8 +6,9 @@ Prints peak RSS (which counts the memory-mapped weights once they are read), the
 size, the KV cache size, the runtime's own footprint (Python, NumPy, Numba and its LLVM JIT,
 measured before the model is touched), and what is left over (with ``--activations int8``, it
 includes the decode step's packed copy of the Q4_1 weights and the prefill's panels, both
-printed), then what the runtime is made of: LLVM's shared library, and whether Numba imported SciPy (it does at its first compile or
-cache load when SciPy is installed, for BLAS). Never a pass/fail test.
+printed), then what the runtime is made of: LLVM's shared library, and whether Numba
+imported SciPy (it does at its first compile or cache load when SciPy is installed, for
+BLAS). Never a pass/fail test.
 """
 import argparse
 import os
