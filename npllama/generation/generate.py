@@ -208,9 +208,7 @@ def _generate(session, prompt_ids, max_tokens, sampler, scanner, stop_ids, logpr
     picker = TokenPicker(tok, list(session.tokens) + list(prompt_ids), sampler, scanner,
                          tok.eot_ids if stop_ids is None else stop_ids, logprobs, matcher)
     if max_tokens == 0 or matcher is not None and matcher.done:
-        if matcher is not None:
-            matcher.conforms = matcher.accepting
-        return ("stop" if max_tokens and matcher is not None else "length"), ""
+        return ("stop" if max_tokens and matcher is not None else "length"), picker.finish()
     logits = session.feed(prompt_ids)
     reason = "length"
     for n in range(max_tokens):

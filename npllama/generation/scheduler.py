@@ -37,9 +37,10 @@ class Request:
     `generate.TokenPicker` that `generate_tokens` uses for a session). `tokens` grows by one
     Token per step; once `done`, `finish_reason` is "stop", "length", "cancelled" or "error",
     `tail` is the text held back at the end (a possible start of a stop string that never
-    completed), and `error` is set if the request could not run. `tag` is the caller's (an index, a mailbox). `constraint` (a
-    `structured.Constraint`) constrains the output through the request's own matcher;
-    `incomplete` is then True when generation ended before the output satisfied it."""
+    completed), and `error` is set if the request could not run. `tag` is the caller's (an
+    index, a mailbox). `constraint` (a `structured.Constraint`) constrains the output through
+    the request's own matcher; `incomplete` is then True when generation ended before the
+    output satisfied it."""
 
     def __init__(self, model, ids: Sequence[int], *, max_tokens: int, sampler: Sampler, stop: Sequence[str] = (),
                  logprobs: int = 0, ctx: int | None = None, tag=None, constraint: Constraint | None = None):
