@@ -193,10 +193,13 @@ class Transformer:
         prefill); else None."""
         if not has_panels(w.qtype) or w.cols % 32:
             return None
-        with self._panels_lock:
-            if w.name not in self._panels:
-                self._panels[w.name] = pack_panels(w.data, w.qtype)
-            return self._panels[w.name]
+        pw = self._panels.get(w.name)  # packed already: no lock on the products' path
+        if pw is None:
+            with self._panels_lock:
+                if w.name not in self._panels:
+                    self._panels[w.name] = pack_panels(w.data, w.qtype)
+                pw = self._panels[w.name]
+        return pw
 
     def _run(self, ids: np.ndarray, cache: KVCache, all_logits: bool, output: str, threads: int) -> np.ndarray:
         """`forward` for checked arguments (int64 ids, a cache shaped for this model) at
