@@ -6,9 +6,8 @@ product per copy of the matrix, cycling over enough copies that the weights come
 from inside compiled code as the fused decode step calls them (no Python dispatch per call).
 The int8 columns include quantizing x, once per `share` products as the decode step does
 (q/k/v share the normed input, gate/up too; o, down and the output head have their own x).
-For Q4_1 the int8 kernel runs on the GGUF rows and on the packed rows the decode step holds
-in int8 mode (quants_int8.pack_q4_1).
-Reported: median over passes of the mean time per product.
+The "panels" columns: the int8 product on the weight's panels (kernels/panels.py), which the
+decode step reads in int8 mode for Q4_0, Q4_1, Q8_0 and Q4_K. Reported: median over passes of the mean time per product.
 
 Usage: python bench/bench_int8.py [--threads N] [--min-mb MB] [--repeats R]
 """
@@ -24,8 +23,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import quantize
 from numba import njit
 
-from npllama.kernels import quants
-from npllama.kernels import quants_int8
+from npllama.kernels import panels, quants, quants_int8
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import parse_args, start  # noqa: E402
@@ -56,13 +54,21 @@ def _pass_i8(code, ws, x, qs, d, s, out, share):
 
 
 @njit
+def _pass_panels(code, pws, rows, x, xr, out, share):
+    for i in range(pws.shape[0]):
+        if i % share == 0:
+            panels._quantize_rows(x, xr[0], xr[1], xr[2], xr[3])
+        panels._matmul_panels(code, pws[i], rows, xr, out)
+
+
+@njit
 def _pass_quantize(x, qs, d, s, k):
     for _ in range(k):
         quants_int8._quantize_x_q8(x, qs, d, s)
 
 
 def bench_shape(qtype: QT, rows: int, cols: int, share: int, min_mb: int, repeats: int):
-    """(weight MB, f32 µs, int8 µs, int8 on packed rows µs or None, quantize µs) per product."""
+    """(weight MB, f32 µs, int8 µs, int8 on the panels µs, quantize µs) per product."""
     rng = np.random.default_rng(0)
     w = quantize(rng.normal(0.0, 0.02, (rows, cols)).astype(np.float32), qtype)
     copies = max(2, math.ceil(min_mb * (1 << 20) / w.nbytes))
@@ -77,9 +83,10 @@ def bench_shape(qtype: QT, rows: int, cols: int, share: int, min_mb: int, repeat
     code = int(qtype)
     runs = {"f32": lambda: _pass_f32(code, ws, x, out),
             "i8": lambda: _pass_i8(code, ws, x, qs, d, s, out, share)}
-    if qtype == QT.Q4_1:
-        packed = quants_int8.pack_q4_1(ws.reshape(-1, ws.shape[2])).reshape(ws.shape)
-        runs["packed"] = lambda: _pass_i8(quants_int8._Q4_1P, packed, x, qs, d, s, out, share)
+    pws = np.stack([panels.pack_panels(w, qtype)] * copies)
+    x2, out2 = x.reshape(1, cols), out.reshape(1, rows)
+    xr = panels.quantize_rows(x2)
+    runs["panels"] = lambda: _pass_panels(code, pws, rows, x2, xr, out2, share)
     times = {k: [] for k in runs}
     for fn in runs.values():
         fn()
@@ -94,7 +101,7 @@ def bench_shape(qtype: QT, rows: int, cols: int, share: int, min_mb: int, repeat
     _pass_quantize(x, qs, d, s, k)
     t_q = (time.perf_counter() - t) / k
     t_us = {k: float(np.median(v)) * 1e6 for k, v in times.items()}
-    return w.nbytes / 1e6, t_us["f32"], t_us["i8"], t_us.get("packed"), t_q * 1e6
+    return w.nbytes / 1e6, t_us["f32"], t_us["i8"], t_us["panels"], t_q * 1e6
 
 
 def main() -> None:
@@ -103,12 +110,12 @@ def main() -> None:
     print(f"threads: {args.threads}   vpdpbusd: {quants_int8.VNNI}   "
           f"read bandwidth (parallel sum, 512 MB float32): {bw:.1f} GB/s\n")
     print(f"{'matrix':<24}{'type':<6}{'MB':>6}{'share':>6}{'f32 us':>9}{'GB/s':>7}"
-          f"{'int8 us':>9}{'GB/s':>7}{'of bw':>7}{'int8/f32':>9}{'packed us':>10}{'GB/s':>7}{'of bw':>7}"
+          f"{'int8 us':>9}{'GB/s':>7}{'of bw':>7}{'int8/f32':>9}{'panels us':>10}{'GB/s':>7}{'of bw':>7}"
           f"{'quant x us':>11}")
     for what, qtype, rows, cols, share in SHAPES:
         mb, t32, t8, tp, tq = bench_shape(qtype, rows, cols, share, args.min_mb, args.repeats)
         g32, g8 = mb * 1e3 / t32, mb * 1e3 / t8
-        packed = f"{tp:>10.1f}{mb * 1e3 / tp:>7.1f}{mb * 1e3 / tp / bw:>7.0%}" if tp else f"{'-':>10}{'':>14}"
+        packed = f"{tp:>10.1f}{mb * 1e3 / tp:>7.1f}{mb * 1e3 / tp / bw:>7.0%}"
         print(f"{what:<24}{qtype.name:<6}{mb:>6.2f}{share:>6}{t32:>9.1f}{g32:>7.1f}"
               f"{t8:>9.1f}{g8:>7.1f}{g8 / bw:>7.0%}{g8 / g32:>9.2f}{packed}{tq:>11.2f}")
 

@@ -5,8 +5,7 @@
 Prints peak RSS (which counts the memory-mapped weights once they are read), the model file
 size, the KV cache size, the runtime's own footprint (Python, NumPy, Numba and its LLVM JIT,
 measured before the model is touched), and what is left over (with ``--activations int8``, it
-includes the decode step's packed copy of the Q4_1 weights and the prefill's panels, both
-printed), then what the runtime is made of: LLVM's shared library, and whether Numba
+includes the weights' panels, a second copy that the products read, printed), then what the runtime is made of: LLVM's shared library, and whether Numba
 imported SciPy (it does at its first compile or cache load when SciPy is installed, for
 BLAS). Never a pass/fail test.
 """
@@ -63,10 +62,8 @@ def main():
           f"+ KV cache {kv:.0f} ({s.cache.dtype}, capacity {s.cache.capacity}) + runtime {runtime:.0f} "
           f"+ other {peak - file_mib - kv - runtime:.0f} MiB")
     if args.activations == "int8":
-        packed = m.decode_plan.packed.nbytes / 2**20
-        panels = sum(a.nbytes for a in m._panels.values()) / 2**20
-        print(f"int8 mode: the decode step's packed Q4_1 weights {packed:.0f} MiB, the panels of the prefill "
-              f"and batched products {panels:.0f} MiB (both in 'other')")
+        panels = m.panel_arena.nbytes / 2**20
+        print(f"int8 mode: the panels of the prefill, decode and batched products {panels:.0f} MiB (in 'other')")
     print(f"runtime: LLVM's library {llvm:.0f} MiB resident; Numba imported SciPy for its BLAS bindings: "
           f"{'yes' if scipy else 'no'}")
 

@@ -155,29 +155,35 @@ def test_sessions_decode_from_several_threads(tmp_path):
         np.testing.assert_array_equal(g, w)
 
 
-def test_int8_plan_packs_q4_1(tmp_path):
-    """In int8 mode the decode step reads every Q4_1 product weight from one packed copy
-    (quants_int8.pack_q4_1 of the file's rows); other weights and the embedding lookup read
-    the file."""
-    from npllama.engine.decode import DecodePlan
-    from npllama.kernels.quants_int8 import _Q4_1P, pack_q4_1
-    path = write_tiny_llama(tmp_path / "m.gguf", qtype=QT.Q4_1, tied=False)
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0, QT.Q5_0])
+def test_int8_plan_reads_panels(tmp_path, qtype):
+    """In int8 mode the decode step reads the product weights of the types it reads as panels
+    (Q4_0, Q4_1, Q8_0, Q4_K) from the model's panels, the arrays the prefill and the batched
+    pass read (no third copy); other weights (here Q5_0, and the float32 head) and the
+    embedding lookup read the file. The exact mode reads the file only."""
+    from npllama.engine.decode import _DECODE_PANELS, DecodePlan
+    path = write_tiny_llama(tmp_path / "m.gguf", qtype=qtype, tied=False)
     m = npllama.Model(path, activations="int8")
     exact, plan = DecodePlan(m), DecodePlan(m, int8=True)
-    assert exact.packed.size == 0 and not exact.table[..., 4].any()
+    assert exact.panels.size == 0 and not exact.table[..., 4].any()
+    assert plan.panels is m.panel_arena
     n = m.config.n_layer
     weights = [getattr(L, a) for L in m.layers for a in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")]
     entries = list(plan.table[:n].reshape(-1, 5)) + [plan.table[n, 0]]
+    in_panels = 0
     for w, e in zip(weights + [m.output], entries):
-        code, off, rows, row_bytes, in_packed = (int(v) for v in e)
-        assert (rows, row_bytes) == w.data.shape
-        if w.qtype == QT.Q4_1:
-            assert code == _Q4_1P and in_packed
-            got = plan.packed[off:off + rows * row_bytes].reshape(rows, row_bytes)
-            np.testing.assert_array_equal(got, pack_q4_1(w.data))
+        code, off, rows, row_bytes, panels = (int(v) for v in e)
+        assert code == int(w.qtype) and rows == w.rows
+        if int(w.qtype) in _DECODE_PANELS:
+            assert panels and row_bytes == m.panels(w).shape[1]
+            start = m.panel_arena.__array_interface__["data"][0] + off
+            assert m.panels(w).__array_interface__["data"][0] == start
+            in_panels += 1
         else:
-            assert code == int(w.qtype) and not in_packed
-    assert sum(w.data.nbytes for w in weights + [m.output] if w.qtype == QT.Q4_1) == plan.packed.size > 0
+            assert not panels and row_bytes == w.data.shape[1]
+            np.testing.assert_array_equal(m.file.buffer[off:off + w.data.nbytes], w.data.reshape(-1))
+    assert in_panels == sum(int(w.qtype) in _DECODE_PANELS for w in weights + [m.output])
+    assert (in_panels > len(weights) - 1) == (int(qtype) in _DECODE_PANELS)  # the layers' (and head's), or none
     np.testing.assert_array_equal(plan.table[n, 1], exact.table[n, 1])  # the embedding: the file
 
 

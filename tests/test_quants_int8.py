@@ -314,10 +314,6 @@ def test_row_dot_extremes(qtype):
             out = np.empty(4, np.float32)
             row_kernels(isa)[qtype](data, qs, d, s, out)
             assert_int8_close(out, data, qtype, qs, d, s)
-            if qtype == QT.Q4_1:
-                out = np.empty(4, np.float32)
-                packed_kernel(isa)(qi.pack_q4_1(data), qs, d, s, out)
-                assert_int8_close(out, data, qtype, qs, d, s)
 
 
 @pytest.mark.parametrize("group, n_acc, hadd", [(1, 1, None), (2, 1, None), (8, 4, None), (4, 2, False),
@@ -334,71 +330,6 @@ def test_row_dot_layouts(group, n_acc, hadd):
             out = np.empty(3, np.float32)
             row_kernels(isa, group, n_acc, hadd)[qtype](data, qs, d, s, out)
             assert_int8_close(out, data, qtype, qs, d, s)
-
-
-# ---------------------------------------------------------------------------------------
-# Packed Q4_1 (the fused decode step's layout in int8 mode)
-# ---------------------------------------------------------------------------------------
-
-def ref_pack_q4_1(data):
-    """The documented packed layout, in NumPy: nibbles in groups of 4 blocks (then 2, then 1),
-    byte j of a group of g blocks = element j | element j + 16 g << 4; then every d, every m."""
-    rows, nb = data.shape[0], data.shape[1] // 20
-    blk = data.reshape(rows, nb, 20)
-    elements = np.concatenate([blk[..., 4:] & 15, blk[..., 4:] >> 4], axis=-1).reshape(rows, -1)
-    groups = [4] * (nb // 4) + [2] * (nb // 2 % 2) + [1] * (nb % 2)
-    nibbles, b = [], 0
-    for g in groups:
-        e = elements[:, 32 * b:32 * (b + g)]
-        nibbles.append(e[:, :16 * g] | (e[:, 16 * g:] << 4))
-        b += g
-    return np.concatenate(nibbles + [blk[..., 0:2].reshape(rows, -1), blk[..., 2:4].reshape(rows, -1)], axis=1)
-
-
-_PACKED_KERNELS = {}
-
-
-def packed_kernel(isa):
-    """njit (packed data, qs, d, s, out) loop over the rows with the packed Q4_1 dot of ``isa``."""
-    if isa not in _PACKED_KERNELS:
-        dot = qi._make_packed_q4_1_dot(isa)
-
-        @njit
-        def rows(data, qs, d, s, out):
-            for r in range(data.shape[0]):
-                out[r] = dot(data[r], qs, d, s, qs.shape[0] // 32)
-
-        _PACKED_KERNELS[isa] = rows
-    return _PACKED_KERNELS[isa]
-
-
-def test_pack_q4_1_layout():
-    rng = np.random.default_rng(9)
-    for blocks in (1, 2, 3, 4, 5, 6, 7, 8, 9, 18, 48):
-        data = full_range_weight(QT.Q4_1, 70, blocks, rng)   # more rows than one parallel task
-        packed = qi.pack_q4_1(data)
-        assert packed.dtype == np.uint8 and packed.shape == data.shape
-        np.testing.assert_array_equal(packed, ref_pack_q4_1(data))
-    view = full_range_weight(QT.Q4_1, 6, 3, rng)[::2]         # non-contiguous rows
-    np.testing.assert_array_equal(qi.pack_q4_1(view), ref_pack_q4_1(np.ascontiguousarray(view)))
-    for bad in (np.zeros((2, 21), np.uint8), np.zeros(40, np.uint8), np.zeros((2, 20), np.int8)):
-        with pytest.raises(ValueError, match="Q4_1 rows must be a uint8 array"):
-            qi.pack_q4_1(bad)
-
-
-@pytest.mark.parametrize("isa", runnable_isas())
-def test_packed_q4_1_dot_every_isa(isa):
-    """The packed row dot gives the int8 product of the unpacked row, for every tail of the
-    groups of 8, 4, 2 and 1 blocks."""
-    rng = np.random.default_rng(10)
-    for blocks in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 14, 15, 16, 18, 23, 48):
-        data = full_range_weight(QT.Q4_1, 5, blocks, rng)
-        x = rng.normal(size=32 * blocks).astype(np.float32)
-        x[-32:] *= 100.0
-        qs, d, s = qi.quantize_x(x)
-        out = np.full(5, np.nan, np.float32)
-        packed_kernel(isa)(qi.pack_q4_1(data), qs, d, s, out)
-        assert_int8_close(out, data, QT.Q4_1, qs, d, s)
 
 
 def test_module_dots_are_the_selected_isa():
@@ -449,11 +380,6 @@ def test_matvec_kernels(qtype, rows, threads):
         qi._rows_i8(int(qtype), data, rows // 2, rows, qs, d, s, out3)
         assert np.isnan(out3[:rows // 2]).all()
         assert_int8_close(out3[rows // 2:], data[rows // 2:], qtype, qs, d, s)
-        if qtype == QT.Q4_1:  # and on packed rows, as the decode step holds them in int8 mode
-            out4 = np.full(rows, np.nan, np.float32)
-            qi._rows_i8(qi._Q4_1P, qi.pack_q4_1(data), rows // 2, rows, qs, d, s, out4)
-            assert np.isnan(out4[:rows // 2]).all()
-            assert_int8_close(out4[rows // 2:], data[rows // 2:], qtype, qs, d, s)
 
 
 def test_one_thread_matches_two():
@@ -538,7 +464,6 @@ def test_other_types_fall_back(qtype, threads):
 
 def test_has_i8():
     assert all(qi._has_i8(int(t)) for t in INT8_TYPES + NEW_TYPES)
-    assert qi._has_i8(qi._Q4_1P)
     assert set(qi.INT8_TYPES) == set(INT8_TYPES + NEW_TYPES)
     assert not any(qi._has_i8(int(t)) for t in (QT.F32, QT.F16, QT.BF16))
 

@@ -10,8 +10,10 @@ work itself and takes its share of each product and of attention as work items f
 counters (npllama.workshare).
 
 The weights are addressed as (type, byte offset, rows, row bytes, buffer) entries into the
-model file's memory map or, in int8 mode, into one array of the Q4_1 weights repacked for the
-int8 kernel (`DecodePlan.table`, `DecodePlan.packed`) rather than as tuples of arrays: a tuple
+model file's memory map or, in int8 mode, into the model's panels (kernels/panels.py, the
+layout the prefill and the batched pass read too, so a product gives the same bits in all
+three) for the types that have them (`DecodePlan.table`, `DecodePlan.panels`), rather than as
+tuples of arrays: a tuple
 indexed by layer inside compiled code becomes a branch per layer at every use, which made
 compiling a 30-layer step take minutes. The new key and value rows are written straight into
 the KV cache's array; the caller commits them afterwards. The cache is addressed through a
@@ -28,14 +30,19 @@ from numba import njit, prange
 from ..kernels.attention import _BLOCK, _decode_chunk, _merge_chunks
 from ..kernels.f16 import _st, bits
 from ..kernels.nn import ACTS, _glu_row, _rmsnorm_row, _rope_row
-from ..kernels.quants import _block_sums, _deq_row, _rows_f32
-from ..kernels.quants_int8 import _Q4_1, _Q4_1P, _has_i8, _pack_q4_1, _quantize_x_q8, _rows_i8
+from ..kernels.panels import PANEL, _panel_dots, _quantize_rows
+from ..kernels.quants import _Q4_0, _Q4_1, _Q4_K, _Q8_0, _block_sums, _deq_row, _rows_f32
+from ..kernels.quants_int8 import _has_i8, _rows_i8
 from ..kernels.workshare import _finish, _take, _wait, phase_size
 from . import block
 
 _MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the products of a layer, in order
 _STEPS = len(_MATRICES)
 _ATT = _STEPS  # the attention's counters follow the products'
+# The types whose products the int8 decode step reads from the panels: Q5_0's and Q5_1's spend
+# a byte an element there, 1.5 times their GGUF rows, which a step reading each weight once
+# reads faster (measured: SmolLM2 Q4_K_M, mostly Q5_0, 180 against 136 tokens/s).
+_DECODE_PANELS = frozenset((_Q4_0, _Q4_1, _Q8_0, _Q4_K))
 # Work items (chunks of keys) a step's attention is split into per thread. Every thread
 # merges every chunk's state, half of them written by another core: 2 per thread decoded
 # 3-4% faster than 4 (same-process A/B, at 128 and at 1000 tokens of context), as fast as 1,
@@ -43,13 +50,15 @@ _ATT = _STEPS  # the attention's counters follow the products'
 _CHUNKS_PER_THREAD = 2
 
 
-def _entry(buffer: np.ndarray, w) -> list[int]:
-    """[type code, byte offset in `buffer`, rows, row bytes, 0] of the QWeight `w`, a view on it."""
+def _entry(buffer: np.ndarray, data: np.ndarray, w, in_panels: bool = False) -> list[int]:
+    """[type code, byte offset in `buffer`, rows, row bytes, 0] of the QWeight `w` whose
+    rows `data` are a view on `buffer`; with `in_panels`, `data` are w's panels and the entry
+    [type code, byte offset, rows, bytes per panel, 1]."""
     lo = buffer.__array_interface__["data"][0]
-    start = w.data.__array_interface__["data"][0]
-    if not (w.data.flags.c_contiguous and lo <= start and start + w.data.nbytes <= lo + buffer.nbytes):
+    start = data.__array_interface__["data"][0]
+    if not (data.flags.c_contiguous and lo <= start and start + data.nbytes <= lo + buffer.nbytes):
         raise ValueError(f"weight {w.name} is not a contiguous view of the model file")
-    return [int(w.qtype), start - lo, w.data.shape[0], w.data.shape[1], 0]
+    return [int(w.qtype), start - lo, w.rows if in_panels else data.shape[0], data.shape[1], int(in_panels)]
 
 
 class DecodePlan:
@@ -68,16 +77,25 @@ class DecodePlan:
 
         q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
         self.buffer = model.file.buffer
+        # in int8 mode the products of weights with panels read the panels (model.panel_arena),
+        # as the prefill and the batched pass do
+        self.panels = model.panel_arena if int8 else np.empty(0, np.uint8)
+
+        def entry(w, *pair):  # the panels where w (and the weight it pairs with) have them
+            if int8 and all(int(v.qtype) in _DECODE_PANELS and model.panels(v) is not None for v in (w, *pair)):
+                return _entry(self.panels, model.panels(w), w, True)
+            return _entry(self.buffer, w.data, w)
+
         # table[layer, step]: the weight of product `step` (_MATRICES order) of that layer;
         # table[n_layer, 0]: the output head; table[n_layer, 1]: the token embedding (read
         # from the file: its rows are looked up, not dotted)
         table = np.zeros((cfg.n_layer + 1, _STEPS, 5), np.int64)
         for li, L in enumerate(layers):
-            table[li] = [_entry(self.buffer, getattr(L, a)) for a in _MATRICES]
-        table[cfg.n_layer, 0] = _entry(self.buffer, model.output)
-        table[cfg.n_layer, 1] = _entry(self.buffer, model.token_embd)
+            table[li] = [entry(L.wq), entry(L.wk), entry(L.wv), entry(L.wo), entry(L.w_gate, L.w_up),
+                         entry(L.w_up, L.w_gate), entry(L.w_down)]
+        table[cfg.n_layer, 0] = entry(model.output)
+        table[cfg.n_layer, 1] = _entry(self.buffer, model.token_embd.data, model.token_embd)
         self.table = table
-        self.packed = self._packed_weights() if int8 else np.empty(0, np.uint8)
         self.attn_norm = stack("attn_norm", cfg.n_embd)  # (n_layer, n_embd)
         self.ffn_norm = stack("ffn_norm", cfg.n_embd)    # (n_layer, n_embd)
         self.bq = stack("bq", q_dim)                     # (n_layer, q_dim) or (n_layer, 0)
@@ -101,21 +119,6 @@ class DecodePlan:
         # steps from several Python threads take turns (the parallel region runs without the
         # GIL, and every step uses all the threads it is given anyway)
         self._lock = threading.Lock()
-
-    def _packed_weights(self) -> np.ndarray:
-        """One array of every Q4_1 product weight (the layers' and the head's), packed for the
-        int8 kernel (`quants_int8.pack_q4_1`); their table entries then point into it (type
-        `_Q4_1P`, buffer 1)."""
-        products = self.table.reshape(-1, 5)[:-(_STEPS - 1)]  # all but the embedding and unused
-        entries = [e for e in products if e[0] == _Q4_1]     # row views: writes go to the table
-        packed = np.empty(sum(int(e[2] * e[3]) for e in entries), np.uint8)
-        at = 0
-        for e in entries:
-            off, n, shape = int(e[1]), int(e[2] * e[3]), (int(e[2]), int(e[3]))
-            _pack_q4_1(self.buffer[off:off + n].reshape(shape), packed[at:at + n].reshape(shape))
-            e[0], e[1], e[4] = _Q4_1P, at, 1
-            at += n
-        return packed
 
     def step(self, token: int, pos: int, cache, threads: int) -> np.ndarray:
         """Logits (n_vocab,) of `token` at `pos` (== cache.length); writes row `pos` of every
@@ -149,7 +152,7 @@ class DecodePlan:
         logits = np.empty(cfg.n_vocab, np.float32)
         cos, sin = m.ropes.tables(pos + 1)
         with self._lock:  # the steps of a model's sessions share its working memory
-            _decode_step(token, pos, n_chunks, self.buffer, self.packed, self.table, self.attn_norm, self.ffn_norm,
+            _decode_step(token, pos, n_chunks, self.buffer, self.panels, self.table, self.attn_norm, self.ffn_norm,
                          self.bq, self.bk, self.bv, self.q_norm, self.k_norm, self.post_attn, self.post_ffn,
                          self.lcfg, self.act, self.embd_scale, bits(kvs), pages, ps, cos, sin, cfg.rope_neox,
                          self.eps, self.scale, cfg.n_head, m.output_norm, self.int8, logits, threads, self.offs,
@@ -191,53 +194,70 @@ def _item_rows(w):
 
 
 @njit(cache=True)
-def _prepare(x, int8, xsum, qx, dx, sx):
-    """The forms of an activation x that the products read: its int8 blocks (qx, dx, sx) in
-    int8 mode, else its block sums xsum."""
+def _prepare(x, int8, xsum, xq):
+    """The forms of an activation x that the products read: its int8 blocks xq = (values,
+    scales, sums, integer sums; as panels.quantize_rows) in int8 mode, else its block sums xsum."""
     if int8:
-        _quantize_x_q8(x, qx, dx, sx)
+        qx, dx, sx, xi = xq
+        n, nb = x.shape[0], x.shape[0] // 32
+        _quantize_rows(x.reshape(1, n), qx.reshape(1, n), dx.reshape(1, nb), sx.reshape(1, nb), xi.reshape(1, nb))
     else:
         _block_sums(x, xsum)
 
 
 @njit(cache=True)
-def _rows(code, w, r0, r1, x, xsum, qx, dx, sx, int8, row, out):
+def _rows(code, w, panels, r0, r1, x, xsum, xq, int8, row, tmp, out):
     """out[r] = dot(row r of w, x) for r in r0..r1-1, by the int8 kernel where on and present
-    (row: float32 scratch as long as x, for types the float32 kernels dequantize first)."""
-    if int8 and _has_i8(code):
+    (row: float32 scratch as long as x, for types the float32 kernels dequantize first); with
+    ``panels`` (int8 mode only), w is a weight's panels and r0..r1 are panels, whose rows the
+    int8 panel kernel computes (tmp: (1, 16)). x's int8 form: xq (`_prepare`)."""
+    qx, dx, sx, xi = xq
+    if panels:
+        n, nb = x.shape[0], x.shape[0] // 32
+        xr = (qx.reshape(1, n), dx.reshape(1, nb), sx.reshape(1, nb), xi.reshape(1, nb))
+        for p in range(r0, r1):
+            _panel_dots(code, w[p], xr, tmp)
+            for i in range(min(PANEL, out.shape[0] - p * PANEL)):
+                out[p * PANEL + i] = tmp[0, i]
+    elif int8 and _has_i8(code):
         _rows_i8(code, w, r0, r1, qx, dx, sx, out)
     else:
         _rows_f32(code, w, r0, r1, x, xsum, row, out)
 
 
 @njit(cache=True)
-def _weight(buffer, packed, entry):
-    """The (rows, row bytes) uint8 view of the weight of a DecodePlan.table entry."""
-    src = packed if entry[4] else buffer
-    return src[entry[1]:entry[1] + entry[2] * entry[3]].reshape(entry[2], entry[3])
+def _weight(buffer, panels, entry):
+    """The uint8 view of the weight of a DecodePlan.table entry: (rows, row bytes) of the file,
+    or (panels, bytes per panel) of the panel arena."""
+    if entry[4]:
+        n = (entry[2] + PANEL - 1) // PANEL
+        return panels[entry[1]:entry[1] + n * entry[3]].reshape(n, entry[3])
+    return buffer[entry[1]:entry[1] + entry[2] * entry[3]].reshape(entry[2], entry[3])
 
 
 @njit(cache=True)
-def _product(ctr, slot, home, nr, code, w, x, xsum, qx, dx, sx, int8, row, out, pair, code2, w2, out2, act):
+def _product(ctr, slot, home, nr, code, w, pan, x, xsum, xq, int8, row, tmp, out, pair, code2, w2, out2, act):
     """Take items of ``out = W x`` from the phase at ``slot`` (``nr`` ranges, this thread's
-    is ``home``) until none is left, and publish them. Returns the number of items.
+    is ``home``) until none is left, and publish them. Returns the number of items. With
+    ``pan``, w (and w2) are panels (`_rows`).
 
     With ``pair``, an item also computes the same rows of ``out2 = W2 x`` and then turns them
     into ``out = act(out) * out2``: the FFN's gate and up products finished by their GLU
     (act: a code of kernels.ACTS)."""
-    rows = w.shape[0]
+    units, rows = w.shape[0], out.shape[0]
     per = _item_rows(w)
-    n_items = (rows + per - 1) // per
+    n_items = (units + per - 1) // per
     done = 0
     while True:
         i = _take(ctr, slot, home, nr, n_items)
         if i < 0:
             break
-        r0, r1 = i * per, min(rows, (i + 1) * per)
+        u0, u1 = i * per, min(units, (i + 1) * per)
         for half in range(2 if pair else 1):
             c, wh, o = (code, w, out) if half == 0 else (code2, w2, out2)
-            _rows(c, wh, r0, r1, x, xsum, qx, dx, sx, int8, row, o)  # one call site: one copy of the kernels
+            _rows(c, wh, pan, u0, u1, x, xsum, xq, int8, row, tmp, o)  # one call site: one copy of the kernels
         if pair:
+            r0, r1 = (u0 * PANEL, min(rows, u1 * PANEL)) if pan else (u0, u1)
             _glu_row(out[r0:r1], out2[r0:r1], out[r0:r1], act)
         done += 1
     _finish(ctr, slot, nr, done)
@@ -257,10 +277,11 @@ _LINE = 64  # bytes: each private array starts on a cache line of its own
 @njit(cache=True)
 def _private_lengths(n_embd, q_dim, n_ff, KVH, G, D):
     """Lengths of one worker's private arrays, in the order `_private` cuts them: float32
-    (x, h, row, xsum, de, se, da, sa, df, sf, q, k, v, s), int8 (qe, qa, qf)."""
+    (x, h, row, xsum, de, se, ie, da, sa, ia, df, sf, if, q, k, v, s, tmp; ie, ia and if
+    hold int32), int8 (qe, qa, qf)."""
     width = max(n_embd, q_dim, n_ff)
-    f32 = (n_embd, width, width, width // 32, n_embd // 32, n_embd // 32, q_dim // 32, q_dim // 32,
-           n_ff // 32, n_ff // 32, KVH * G * D, KVH * D, KVH * D, KVH * G * _BLOCK)
+    f32 = (n_embd, width, width, width // 32, n_embd // 32, n_embd // 32, n_embd // 32, q_dim // 32, q_dim // 32,
+           q_dim // 32, n_ff // 32, n_ff // 32, n_ff // 32, KVH * G * D, KVH * D, KVH * D, KVH * G * _BLOCK, PANEL)
     return f32, (n_embd, q_dim, n_ff)
 
 
@@ -290,8 +311,8 @@ def _private(f32, i8, n_embd, q_dim, n_ff, KVH, G, D):
     """One worker's private arrays, cut from its rows of the scratch arenas (float32 `f32`,
     int8 `i8`, sized by `_private_sizes`): the residual stream x, the products' input h, a
     row to dequantize weights into, h's block sums, the int8 forms (values, block scales,
-    block sums) of the normed x, of the attention output and of the FFN's, the query, key
-    and value, and attention's scores."""
+    block sums, integer block sums) of the normed x, of the attention output and of the
+    FFN's, the query, key and value, attention's scores and a panel's (1, 16) results."""
     n, m = _private_lengths(n_embd, q_dim, n_ff, KVH, G, D)
     x, at = _cut(f32, 0, n[0])
     h, at = _cut(f32, at, n[1])
@@ -299,23 +320,28 @@ def _private(f32, i8, n_embd, q_dim, n_ff, KVH, G, D):
     xsum, at = _cut(f32, at, n[3])
     de, at = _cut(f32, at, n[4])
     se, at = _cut(f32, at, n[5])
-    da, at = _cut(f32, at, n[6])
-    sa, at = _cut(f32, at, n[7])
-    df, at = _cut(f32, at, n[8])
-    sf, at = _cut(f32, at, n[9])
-    q, at = _cut(f32, at, n[10])
-    k, at = _cut(f32, at, n[11])
-    v, at = _cut(f32, at, n[12])
-    s, at = _cut(f32, at, n[13])
+    ie, at = _cut(f32, at, n[6])
+    da, at = _cut(f32, at, n[7])
+    sa, at = _cut(f32, at, n[8])
+    ia, at = _cut(f32, at, n[9])
+    df, at = _cut(f32, at, n[10])
+    sf, at = _cut(f32, at, n[11])
+    if_, at = _cut(f32, at, n[12])
+    q, at = _cut(f32, at, n[13])
+    k, at = _cut(f32, at, n[14])
+    v, at = _cut(f32, at, n[15])
+    s, at = _cut(f32, at, n[16])
+    tmp, at = _cut(f32, at, n[17])
     qe, at = _cut(i8, 0, m[0])
     qa, at = _cut(i8, at, m[1])
     qf, at = _cut(i8, at, m[2])
-    return (x, h, row, xsum, qe, de, se, qa, da, sa, qf, df, sf, q.reshape(KVH, G, D), k.reshape(KVH, D),
-            v.reshape(KVH, D), s.reshape(KVH, G, _BLOCK))
+    return (x, h, row, xsum, (qe, de, se, ie.view(np.int32)), (qa, da, sa, ia.view(np.int32)),
+            (qf, df, sf, if_.view(np.int32)), q.reshape(KVH, G, D), k.reshape(KVH, D), v.reshape(KVH, D),
+            s.reshape(KVH, G, _BLOCK), tmp.reshape(1, PANEL))
 
 
 @njit(cache=True)
-def _worker(ctr, home, nr, token, pos, buffer, packed, table, attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm,
+def _worker(ctr, home, nr, token, pos, buffer, panels, table, attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm,
             post_attn, post_ffn, lcfg, act, embd_scale, kvs, pages, ps, cos, sin, neox, eps, scale, H, out_norm, int8,
             logits, res, offs, part_m, part_l, part_acc, f32, i8, n_items):
     """One thread's share of a decode step. Every thread keeps its own copy of the residual
@@ -332,11 +358,10 @@ def _worker(ctr, home, nr, token, pos, buffer, packed, table, attn_norm, ffn_nor
     n_layer, n_embd = attn_norm.shape
     KVH, D = kvs.shape[2], kvs.shape[4]
     q_dim, n_ff = H * D, offs[5] - offs[4]
-    x, h, row, xsum, qe, de, se, qa, da, sa, qf, df, sf, q, k, v, s = _private(f32, i8, n_embd, q_dim, n_ff,
-                                                                                KVH, H // KVH, D)
+    x, h, row, xsum, xe, xa, xf, q, k, v, s, tmp = _private(f32, i8, n_embd, q_dim, n_ff, KVH, H // KVH, D)
     he, ha, hf = h[:n_embd], h[:q_dim], h[:n_ff]
     embd = table[n_layer, 1]
-    _deq_row(embd[0], _weight(buffer, packed, embd)[token], x)
+    _deq_row(embd[0], _weight(buffer, panels, embd)[token], x)
     if embd_scale != 1:
         x *= embd_scale
     for li in range(n_layer + 1):
@@ -346,38 +371,38 @@ def _worker(ctr, home, nr, token, pos, buffer, packed, table, attn_norm, ffn_nor
             entry = table[li, step]
             if li == n_layer:  # the output head
                 _rmsnorm_row(x, out_norm, eps, he)
-                _prepare(he, int8, xsum, qe, de, se)
+                _prepare(he, int8, xsum, xe)
                 out = logits
                 up, out_up = entry, out  # unused: no pair
             else:
                 if step == 0:
                     _rmsnorm_row(x, attn_norm[li], eps, he)
-                    _prepare(he, int8, xsum, qe, de, se)
+                    _prepare(he, int8, xsum, xe)
                 elif step == 3:
                     _attention(ctr, home, nr, li, pos, res[li], offs, n_items, q, k, v, bq, bk, bv, q_norm, k_norm,
                                lcfg[li], eps, kvs[li], pages, ps, cos, sin, neox, scale, part_m[li], part_l[li],
                                part_acc[li], s, ha)
-                    _prepare(ha, int8, xsum, qa, da, sa)
+                    _prepare(ha, int8, xsum, xa)
                 elif step == 4:
                     _wait(ctr, _slot(li, 3, nr), nr, n_items[3])
                     _residual(x, res[li, offs[3]:offs[4]], post_attn, li, eps, he)
                     _rmsnorm_row(x, ffn_norm[li], eps, he)
-                    _prepare(he, int8, xsum, qe, de, se)
+                    _prepare(he, int8, xsum, xe)
                 elif step == 6:
                     _wait(ctr, _slot(li, 4, nr), nr, n_items[4])
                     hf[:] = res[li, offs[4]:offs[5]]  # SwiGLU(gate, up), done by the items
-                    _prepare(hf, int8, xsum, qf, df, sf)
+                    _prepare(hf, int8, xsum, xf)
                 out = res[li, offs[step]:offs[step + 1]]
                 up, out_up = table[li, 5], res[li, offs[5]:offs[6]]  # the pair of step 4
             if step == 3:
-                xin, qx, dx, sx = ha, qa, da, sa
+                xin, xq = ha, xa
             elif step == 6:
-                xin, qx, dx, sx = hf, qf, df, sf
+                xin, xq = hf, xf
             else:
-                xin, qx, dx, sx = he, qe, de, se
-            n_items[step] = _product(ctr, _slot(li, step, nr), home, nr, entry[0], _weight(buffer, packed, entry),
-                                     xin, xsum, qx, dx, sx, int8, row, out, li < n_layer and step == 4, up[0],
-                                     _weight(buffer, packed, up), out_up, act)
+                xin, xq = he, xe
+            n_items[step] = _product(ctr, _slot(li, step, nr), home, nr, entry[0], _weight(buffer, panels, entry),
+                                     entry[4] == 1, xin, xsum, xq, int8, row, tmp, out, li < n_layer and step == 4,
+                                     up[0], _weight(buffer, panels, up), out_up, act)
         if li < n_layer:
             _wait(ctr, _slot(li, 6, nr), nr, n_items[6])
             _residual(x, res[li, offs[6]:offs[7]], post_ffn, li, eps, he)
@@ -458,7 +483,7 @@ def _attention(ctr, home, nr, li, pos, res, offs, n_items, q, k, v, bq, bk, bv, 
 
 
 @njit(parallel=True, cache=True)
-def _decode_step(token, pos, n_chunks, buffer, packed, table, attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm,
+def _decode_step(token, pos, n_chunks, buffer, panels, table, attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm,
                  post_attn, post_ffn, lcfg, act, embd_scale, kvs, pages, ps, cos, sin, neox, eps, scale, H, out_norm,
                  int8, logits, n_threads, offs, res, part_m, part_l, part_acc, ctr, f32, i8, n_items):
     """One token through every layer in one parallel region: each thread runs `_worker`, and
@@ -480,6 +505,6 @@ def _decode_step(token, pos, n_chunks, buffer, packed, table, attn_norm, ffn_nor
     pa = part_acc[:n_part * D].reshape(n_layer, n_chunks, KVH, G, D)
     ctr[:_slot(n_layer + 1, 0, n_threads)] = 0
     for home in prange(n_threads):
-        _worker(ctr, home, n_threads, token, pos, buffer, packed, table, attn_norm, ffn_norm, bq, bk, bv, q_norm,
+        _worker(ctr, home, n_threads, token, pos, buffer, panels, table, attn_norm, ffn_norm, bq, bk, bv, q_norm,
                 k_norm, post_attn, post_ffn, lcfg, act, embd_scale, kvs, pages, ps, cos, sin, neox, eps, scale, H,
                 out_norm, int8, logits, res, offs, pm, pl, pa, f32[home], i8[home], n_items[home])

@@ -21,7 +21,7 @@ from ..errors import GGUFError, PositionError
 from ..gguf.reader import GGUFFile, ModelConfig
 from ..kernels.attention import attend
 from ..kernels.nn import rmsnorm
-from ..kernels.panels import has_panels, pack_panels
+from ..kernels.panels import has_panels, pack_panels, panel_shape
 from ..kernels.rope import Ropes
 from ..kernels.rows import matmul_rows as mm  # x @ W.T reading each weight row once, for a few to hundreds of rows
 from ..kernels.threads import check_threads, physical_cores, using_threads
@@ -88,7 +88,8 @@ class Transformer:
                 raise GGUFError(f"{self.path}: {e}") from None
         self._tokenizer = None
         self._plan = None
-        self._panels: dict[str, np.ndarray] = {}
+        self._panels: dict[str, np.ndarray] | None = None  # see panels()
+        self._panel_arena = np.empty(0, np.uint8)
         self._panels_lock = threading.Lock()
 
     # ---- text ---------------------------------------------------------------------------
@@ -188,18 +189,46 @@ class Transformer:
         return self._plan
 
     def panels(self, w: QWeight) -> np.ndarray | None:
-        """The panels (kernels/panels.py) of a weight of a type that has them, packed at first
-        use and kept (a second copy of the weight, for the batched pass and the int8 mode's
-        prefill); else None."""
-        if not has_panels(w.qtype) or w.cols % 32:
-            return None
-        pw = self._panels.get(w.name)  # packed already: no lock on the products' path
-        if pw is None:
+        """The panels (kernels/panels.py) of a weight of the model of a type that has them,
+        else None. The first call packs every such weight, into one array (`panel_arena`): a
+        second copy of the weights, for the batched pass and the int8 mode's prefill and decode."""
+        return self._panel_views().get(w.name)
+
+    @property
+    def panel_arena(self) -> np.ndarray:
+        """The one array that every weight's panels (`panels`) are views of, packed at first use."""
+        self._panel_views()
+        return self._panel_arena
+
+    def _panel_views(self) -> dict[str, np.ndarray]:
+        views = self._panels  # packed already: no lock on the products' path
+        if views is None:
             with self._panels_lock:
-                if w.name not in self._panels:
-                    self._panels[w.name] = pack_panels(w.data, w.qtype)
-                pw = self._panels[w.name]
-        return pw
+                if self._panels is None:
+                    arena, views = self._pack_panels()
+                    self._panel_arena = arena
+                    self._panels = views
+                views = self._panels
+        return views
+
+    def _pack_panels(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """(arena, {weight name: its panels, a view of the arena}) for every product weight of a
+        type with panel kernels whose inputs are whole blocks of 32."""
+        ws = {}
+        for L in self.layers:
+            for w in (L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down, L.router, *(w for e in L.experts for w in e)):
+                if w is not None and has_panels(w.qtype) and w.cols % 32 == 0:
+                    ws[w.name] = w
+        if has_panels(self.output.qtype) and self.output.cols % 32 == 0:
+            ws[self.output.name] = self.output
+        shapes = {n: panel_shape(w.qtype, w.rows, w.cols) for n, w in ws.items()}
+        arena = np.zeros(sum(p * b for p, b in shapes.values()), np.uint8)
+        views, at = {}, 0
+        for n, w in ws.items():
+            p, b = shapes[n]
+            views[n] = pack_panels(w.data, w.qtype, out=arena[at:at + p * b].reshape(p, b))
+            at += p * b
+        return arena, views
 
     def _run(self, ids: np.ndarray, cache: KVCache, all_logits: bool, output: str, threads: int) -> np.ndarray:
         """`forward` for checked arguments (int64 ids, a cache shaped for this model) at

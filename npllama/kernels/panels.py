@@ -55,8 +55,8 @@ Njit level (C-contiguous arrays, nothing raises):
   activation row t (tmp: (T, 16) float32), by the micro-kernel ``_panel_dots``.
 * ``_matmul_panels``, ``_qkv_panels``, ``_gate_up_panels``: the products, parallel over panels.
 
-Python level: ``has_panels(qtype)``, ``pack_panels(data, qtype)``, ``quantize_rows(x)`` and
-``matmul_panels(panels, qtype, rows, x, int8=True)``.
+Python level: ``has_panels(qtype)``, ``panel_shape(qtype, rows, cols)``, ``pack_panels(data,
+qtype, out=None)``, ``quantize_rows(x)`` and ``matmul_panels(panels, qtype, rows, x, int8=True)``.
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ from .nn import _glu1
 from .quants import _F32T, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q4_K, _Q5_0, _Q5_1, _Q8_0, _const_vec, _ir_call, _ir_load, _ir_splat, _shuffle, _vec
 from .quants_int8 import DOT_ISA, _ir_f16_vec, _quantize_x_q8
 
-__all__ = ["PANEL", "has_panels", "pack_panels", "quantize_rows", "activation_rows", "matmul_panels"]
+__all__ = ["PANEL", "has_panels", "panel_shape", "pack_panels", "quantize_rows", "activation_rows", "matmul_panels"]
 
 PANEL = 16  # weight rows per panel: the int32 lanes of a 512-bit vector
 _TT = 4     # activation rows per tile of the int8 micro-kernel
@@ -162,10 +162,19 @@ def _pack_q4_k(src, dst):
                     dm[(ob + 320) // 4 + r] = -(dmin * np.float32(mn))
 
 
-def pack_panels(data, qtype) -> np.ndarray:
+def panel_shape(qtype, rows: int, cols: int) -> tuple[int, int]:
+    """(panels, bytes per panel) of a weight of GGUF type `qtype` with panel kernels, `rows` x `cols`."""
+    kind = _CODES.get(int(qtype))
+    if kind is None:
+        raise ValueError(f"no panel kernels for type {qtype!r}; they exist for {_TYPES}")
+    return (rows + PANEL - 1) // PANEL, cols // 32 * _KINDS[kind][3]
+
+
+def pack_panels(data, qtype, out=None) -> np.ndarray:
     """The panels (n_panels, blocks of 32 * panel block bytes) uint8 of a Q4_0, Q4_1, Q5_0,
-    Q5_1, Q8_0 or Q4_K weight `data` (rows, row bytes) uint8: a new array, the size of the
-    weight rounded up to 16 rows (1.5 times that for Q5_0 and Q5_1, 4/3 for Q4_K)."""
+    Q5_1, Q8_0 or Q4_K weight `data` (rows, row bytes) uint8: the size of the weight rounded up
+    to 16 rows (1.5 times that for Q5_0 and Q5_1, 4/3 for Q4_K); in `out` (zeroed, of
+    `panel_shape`) where given, else a new array."""
     kind = _CODES.get(int(qtype))
     if kind is None:
         raise ValueError(f"no panel kernels for type {qtype!r}; they exist for {_TYPES}")
@@ -174,13 +183,15 @@ def pack_panels(data, qtype) -> np.ndarray:
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] % size:
         raise ValueError(f"{kind} rows must be a uint8 array of shape (rows, {size} * blocks), "
                          f"got {data.dtype} {data.shape}")
-    n_panels = (data.shape[0] + PANEL - 1) // PANEL
+    shape = panel_shape(qtype, data.shape[0], data.shape[1] // size * (256 if kind == "q4_k" else 32))
+    if out is None:
+        out = np.zeros(shape, np.uint8)
+    elif out.shape != shape or out.dtype != np.uint8 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous uint8 array of shape {shape}, got {out.dtype} {out.shape}")
     if kind == "q4_k":
-        out = np.zeros((n_panels, data.shape[1] // size * 8 * pbs), np.uint8)
         _pack_q4_k(data, out)
-        return out
-    out = np.zeros((n_panels, data.shape[1] // size * pbs), np.uint8)
-    _pack(data, out, size, qoff, groups, pbs, has_m, np.uint8(128 if kind == "q8_0" else 0), kind.startswith("q5"))
+    else:
+        _pack(data, out, size, qoff, groups, pbs, has_m, np.uint8(128 if kind == "q8_0" else 0), kind.startswith("q5"))
     return out
 
 
@@ -456,8 +467,7 @@ def matmul_panels(panels: np.ndarray, qtype, rows: int, x, *, int8: bool = True)
         raise ValueError(f"no panel kernels for type {qtype!r}; they exist for {_TYPES}")
     xr = activation_rows(x, int8)
     T, n = xr[0].shape
-    pbs = _KINDS[kind][3]
-    if panels.dtype != np.uint8 or panels.ndim != 2 or panels.shape != ((rows + PANEL - 1) // PANEL, n // 32 * pbs):
+    if panels.dtype != np.uint8 or panels.shape != panel_shape(qtype, rows, n):
         raise ValueError(f"panels of shape {panels.shape} do not hold a {kind} weight of {rows} rows and "
                          f"{n} columns; make them with pack_panels")
     out = np.empty((T, rows), np.float32)

@@ -35,18 +35,15 @@ Njit level (C-contiguous arrays; nothing raises; ``code`` is ``int(qtype)``):
   blocks with the quantized x (Q4_0 ignores s).
 * ``_dot_row_q5_0_i8``, ``_dot_row_q5_1_i8`` (row, qs, d, s, nb): the same for Q5_0/Q5_1;
   ``_dot_row_<k>_i8(row, qs, d, s, nb)`` for Q4_K, Q5_K, Q6_K, Q3_K, Q2_K (nb super-blocks).
-* ``_dot_row_q4_1p_i8(row, qs, d, s, nb)``: the same for a packed Q4_1 row (``_Q4_1P``, the
-  layout the fused decode step keeps its Q4_1 weights in, in int8 mode; see ``pack_q4_1``).
-* ``_pack_q4_1(src, dst)``: pack Q4_1 rows, row-parallel.
-* ``_has_i8(code)``: whether type ``code`` (or ``_Q4_1P``) has an int8 kernel.
+* ``_has_i8(code)``: whether type ``code`` has an int8 kernel.
 * ``_rows_i8(code, data, r0, r1, qs, d, s, out)``: ``out[r] = dot(row r of data, x)`` for
   rows r0..r1-1 by the int8 kernel of a type with one, on the calling thread (the fused
   decode step's work items). The caller quantizes each distinct x once and reuses qs/d/s.
 * ``_matvec_i8(code, data, x, qs, d, s, out)``: the same for all rows, row-parallel, else
   (a type without an int8 kernel) ``npllama.quants._matvec(code, data, x, out)`` on x.
 
-Python level: ``quantize_x(x)``, ``matmul_int8(data, qtype, x, out=None)`` (decode: x of
-shape (n,)) and ``pack_q4_1(data)``, for tests and benchmarks.
+Python level: ``quantize_x(x)`` and ``matmul_int8(data, qtype, x, out=None)`` (decode: x of
+shape (n,)), for tests and benchmarks.
 
 Code generation: the row dots are LLVM IR, for the instruction set ``DOT_ISA`` chosen at
 import from the CPU features of numba's target (NUMBA_CPU_FEATURES, else the host's):
@@ -74,7 +71,7 @@ from .quants import (_F32T, _FAST_FLAGS, _HW_F16, _I8, _I16, _I32, _Q2_K, _Q3_K,
                      _ir_f16_fast, _ir_hsum, _ir_i32, _ir_k_quants, _ir_k_scales, _ir_load, _ir_load_f16, _ir_qh_bits, _ir_splat,
                      _ir_vec_zero, _is_c_array, _matvec, _prefetch_ahead, _product_args, _shuffle, _task_rows, _vec)
 
-__all__ = ["DOT_ISA", "INT8_TYPES", "VNNI", "matmul_int8", "pack_q4_1", "quantize_x"]
+__all__ = ["DOT_ISA", "INT8_TYPES", "VNNI", "matmul_int8", "quantize_x"]
 
 
 def _target_features() -> set[str]:
@@ -433,68 +430,6 @@ def _make_row_dots(isa: str, group: int = 4, n_acc: int = 2, hadd: bool | None =
 _dot_row_q8_0_i8, _dot_row_q4_0_i8, _dot_row_q4_1_i8, _dot_row_q5_0_i8, _dot_row_q5_1_i8 = _make_row_dots(DOT_ISA)
 
 
-# ---------------------------------------------------------------------------------------
-# Q4_1 repacked for the int8 dot (the fused decode step's layout for Q4_1 in int8 mode)
-#
-# A packed row has the bytes of the GGUF row, reordered: first the nibbles of all nb blocks,
-# then the nb float16 d, then the nb float16 m. The nibbles come in groups of g blocks (groups
-# of 4, then one of 2 if nb & 2, then one of 1 if nb & 1): byte j of a group (16 g bytes)
-# holds the group's element j in its low nibble and element j + 16 g in its high nibble, so
-# one 32-byte load gives two whole blocks (its low nibbles one, its high nibbles another) in
-# x's order, and a group of 1 is the GGUF block's own nibble order. The d and m of 8
-# consecutive blocks are one load each, converted by one instruction. With the row in cache
-# this runs ~20% faster per block than the GGUF layout (whose d, m and nibbles interleave);
-# in the decode step, where the weights come from DRAM, ~2%.
-# ---------------------------------------------------------------------------------------
-
-_Q4_1P = 1000 + _Q4_1
-"""Type code of packed Q4_1 rows (``pack_q4_1``): not a GGUF type; only ``_rows_i8`` reads it."""
-
-
-@njit(cache=True)
-def _pack_q4_1_row(src, dst, el):
-    """Write the packed form of the GGUF Q4_1 row ``src`` into ``dst`` (same length); ``el``:
-    uint8 scratch for the row's elements (32 per block)."""
-    nb = src.shape[0] // 20
-    for b in range(nb):
-        for i in range(16):
-            q = src[20 * b + 4 + i]
-            el[32 * b + i] = q & 15
-            el[32 * b + 16 + i] = q >> 4
-        for k in range(2):
-            dst[16 * nb + 2 * b + k] = src[20 * b + k]      # d
-            dst[18 * nb + 2 * b + k] = src[20 * b + 2 + k]  # m
-    b = 0
-    while b < nb:
-        g = 4 if nb - b >= 4 else (2 if nb - b >= 2 else 1)
-        h = 16 * g
-        for j in range(h):
-            dst[16 * b + j] = el[32 * b + j] | (el[32 * b + h + j] << 4)
-        b += g
-
-
-@njit(parallel=True, cache=True)
-def _pack_q4_1(src, dst):
-    """``_pack_q4_1_row`` on every row of ``src`` into ``dst``, in parallel."""
-    rows = src.shape[0]
-    per = 64
-    for c in prange((rows + per - 1) // per):
-        el = np.empty(src.shape[1] // 20 * 32, np.uint8)
-        for r in range(c * per, min(rows, (c + 1) * per)):
-            _pack_q4_1_row(src[r], dst[r], el)
-
-
-def pack_q4_1(data) -> np.ndarray:
-    """The packed form (a new array) of Q4_1 weight rows ``data`` (rows, row bytes) uint8."""
-    data = np.asarray(data)
-    if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] % 20:
-        raise ValueError(f"Q4_1 rows must be a uint8 array of shape (rows, 20 * blocks), got {data.dtype} "
-                         f"{data.shape}")
-    out = np.empty(data.shape, np.uint8)
-    _pack_q4_1(np.ascontiguousarray(data), out)
-    return out
-
-
 def _ir_lane_sums(builder, dots, x86):
     """<g x i32>: the lane sums of g (1, 2, 4 or 8) i32 dot vectors, in order. On x86 (8-lane
     dots) by pairwise vphaddd, else each by a reduction."""
@@ -520,82 +455,6 @@ def _ir_lane_sums(builder, dots, x86):
     b = quads[1]
     return builder.add(_shuffle(builder, a, b, [0, 1, 2, 3, 12, 13, 14, 15]),
                        _shuffle(builder, a, b, [4, 5, 6, 7, 8, 9, 10, 11]))
-
-
-def _make_packed_q4_1_dot(isa: str):
-    """The int8 dot intrinsic ``(row, qs, d, s, nb) -> float32`` of a packed Q4_1 row for ``isa``.
-
-    Blocks are taken 8 at a time (then 4, 2, 1): each 32-byte load of nibbles is split by a
-    mask and a shift into two blocks, each dotted with its 32 bytes of x into int32 lanes. On
-    x86 the lanes of 8 blocks are summed pairwise (vphaddd) into one vector of the 8 block
-    sums, converted and multiplied-added with the 8 scales d_w d_x; elsewhere each block's
-    lanes are summed on their own. The min terms m_w s_x are one multiply-add per 8 blocks."""
-    x86 = isa != "generic"
-
-    def codegen(context, builder, sig, args):
-        rp, qp, dp, sp = (context.make_array(ty)(context, builder, a).data for ty, a in zip(sig.args[:-1], args[:-1]))
-        nb = context.cast(builder, args[-1], sig.args[-1], types.intp)
-        c = lambda v: ir.Constant(nb.type, v)  # noqa: E731
-        acc = {g: cgutils.alloca_once_value(builder, _ir_vec_zero(g)) for g in (8, 4, 2, 1)}
-        acc_m = {g: cgutils.alloca_once_value(builder, _ir_vec_zero(g)) for g in (8, 4, 2, 1)}
-        d_at, m_at = builder.mul(nb, c(16)), builder.mul(nb, c(18))
-
-        def dot(u, b):  # int32 lanes of the unsigned quants u with block b of x
-            return _ir_dot_us(builder, u, _ir_load(builder, qp, builder.mul(b, c(32)), _vec(_I8, 32), 1), isa)
-
-        def two_blocks(o, b_lo, b_hi):  # the 32 bytes at o: blocks b_lo (low nibbles), b_hi (high)
-            v = _ir_load(builder, rp, o, _vec(_I8, 32), 1)
-            return (dot(builder.and_(v, _const_vec(_I8, 32, 15)), b_lo),
-                    dot(builder.lshr(v, _const_vec(_I8, 32, 4)), b_hi))
-
-        def group_dots(b0, g):  # the g blocks' dot lanes, in block order
-            o = builder.mul(b0, c(16))
-            if g == 1:
-                return [dot(_ir_nibbles(builder, rp, o, isa), b0)]
-            if g == 2:
-                return list(two_blocks(o, b0, builder.add(b0, c(1))))
-            d0, d2 = two_blocks(o, b0, builder.add(b0, c(2)))
-            d1, d3 = two_blocks(builder.add(o, c(32)), builder.add(b0, c(1)), builder.add(b0, c(3)))
-            return [d0, d1, d2, d3]
-
-        def block_sums(dots):
-            return _ir_lane_sums(builder, dots, x86)
-
-        def add_blocks(b0, g):  # blocks b0 .. b0+g-1 into the accumulators of size g
-            dots = group_dots(b0, g) if g < 8 else group_dots(b0, 4) + group_dots(builder.add(b0, c(4)), 4)
-            sums = builder.sitofp(block_sums(dots), _vec(_F32T, g))
-            at = builder.mul(b0, c(2))
-            dw = _ir_f16_vec(builder, _ir_load(builder, rp, builder.add(d_at, at), _vec(_I16, g), 1))
-            mw = _ir_f16_vec(builder, _ir_load(builder, rp, builder.add(m_at, at), _vec(_I16, g), 1))
-            scale = builder.fmul(dw, _ir_load(builder, dp, b0, _vec(_F32T, g), 4), flags=_FAST_FLAGS)
-            _ir_accumulate(builder, acc[g], builder.fmul(scale, sums, flags=_FAST_FLAGS))
-            sx = _ir_load(builder, sp, b0, _vec(_F32T, g), 4)
-            _ir_accumulate(builder, acc_m[g], builder.fmul(mw, sx, flags=_FAST_FLAGS))
-
-        with cgutils.for_range(builder, builder.ashr(nb, c(3))) as loop:
-            add_blocks(builder.shl(loop.index, c(3)), 8)
-        for g in (4, 2, 1):  # the tail groups, in the packing's order
-            with builder.if_then(builder.icmp_signed("!=", builder.and_(nb, c(g)), c(0))):
-                add_blocks(builder.and_(nb, c(-2 * g)), g)
-        total = ir.Constant(_F32T, 0.0)
-        for g in (8, 4, 2, 1):
-            total = builder.fadd(total, _ir_hsum(builder, builder.load(acc[g])), flags=_FAST_FLAGS)
-            total = builder.fadd(total, _ir_hsum(builder, builder.load(acc_m[g])), flags=_FAST_FLAGS)
-        return total
-
-    @intrinsic
-    def _dot_row_q4_1p_i8(typingctx, row, qs, d, s, nb):
-        """Dot of a packed Q4_1 row (``pack_q4_1``) of ``nb`` blocks with the int8-quantized x
-        (qs, d, block sums s): sum_b d_w d_x sum_j nib_j q_j + m_w s_b."""
-        if not (_is_c_array(row, types.uint8) and _is_c_array(qs, types.int8) and _is_c_array(d, types.float32)
-                and _is_c_array(s, types.float32) and isinstance(nb, types.Integer)):
-            return None
-        return types.float32(row, qs, d, s, nb), codegen
-
-    return _dot_row_q4_1p_i8
-
-
-_dot_row_q4_1p_i8 = _make_packed_q4_1_dot(DOT_ISA)
 
 
 # ---------------------------------------------------------------------------------------
@@ -749,8 +608,8 @@ _dot_row_q4_k_i8, _dot_row_q5_k_i8, _dot_row_q6_k_i8, _dot_row_q3_k_i8, _dot_row
 
 @njit(cache=True)
 def _has_i8(code):
-    """Whether weights of type ``code`` (or packed Q4_1, ``_Q4_1P``) have an int8-activation kernel."""
-    return (code == _Q4_1 or code == _Q8_0 or code == _Q4_0 or code == _Q4_1P or code == _Q5_0 or code == _Q5_1
+    """Whether weights of type ``code`` have an int8-activation kernel."""
+    return (code == _Q4_1 or code == _Q8_0 or code == _Q4_0 or code == _Q5_0 or code == _Q5_1
             or code == _Q4_K or code == _Q5_K or code == _Q6_K or code == _Q3_K or code == _Q2_K)
 
 
@@ -759,11 +618,7 @@ def _rows_i8(code, data, r0, r1, qs, d, s, out):
     """out[r] = dot(row r of ``data``, x) for r in r0..r1-1, on the calling thread, by the
     int8 kernel of type ``code`` (one of ``_has_i8``) on the quantized x (qs, d, s)."""
     nb = qs.shape[0] // 32
-    if code == _Q4_1P:
-        for r in range(r0, r1):
-            _prefetch_ahead(data, r)
-            out[r] = _dot_row_q4_1p_i8(data[r], qs, d, s, nb)
-    elif code == _Q4_1:
+    if code == _Q4_1:
         for r in range(r0, r1):
             _prefetch_ahead(data, r)
             out[r] = _dot_row_q4_1_i8(data[r], qs, d, s, nb)
