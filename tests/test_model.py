@@ -155,13 +155,14 @@ def test_sessions_decode_from_several_threads(tmp_path):
         np.testing.assert_array_equal(g, w)
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0, QT.Q5_0])
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q5_0, QT.F16])
 def test_int8_plan_reads_panels(tmp_path, qtype):
-    """In int8 mode the decode step reads the product weights of the types it reads as panels
-    (Q4_0, Q4_1, Q8_0, Q4_K) from the model's panels, the arrays the prefill and the batched
-    pass read (no third copy); other weights (here Q5_0, and the float32 head) and the
-    embedding lookup read the file. The exact mode reads the file only."""
-    from npllama.engine.decode import _DECODE_PANELS, DecodePlan
+    """In int8 mode the decode step reads the product weights of types with panels from the
+    model's panels, the arrays the prefill and the batched pass read (no third copy); other
+    weights (here float16) and the embedding lookup read the file. The exact mode reads the
+    file only."""
+    from npllama.engine.decode import DecodePlan
+    from npllama.kernels.panels import has_panels
     path = write_tiny_llama(tmp_path / "m.gguf", qtype=qtype, tied=False)
     m = npllama.Model(path, activations="int8")
     exact, plan = DecodePlan(m), DecodePlan(m, int8=True)
@@ -174,7 +175,7 @@ def test_int8_plan_reads_panels(tmp_path, qtype):
     for w, e in zip(weights + [m.output], entries):
         code, off, rows, row_bytes, panels = (int(v) for v in e)
         assert code == int(w.qtype) and rows == w.rows
-        if int(w.qtype) in _DECODE_PANELS:
+        if has_panels(w.qtype):
             assert panels and row_bytes == m.panels(w).shape[1]
             start = m.panel_arena.__array_interface__["data"][0] + off
             assert m.panels(w).__array_interface__["data"][0] == start
@@ -182,8 +183,7 @@ def test_int8_plan_reads_panels(tmp_path, qtype):
         else:
             assert not panels and row_bytes == w.data.shape[1]
             np.testing.assert_array_equal(m.file.buffer[off:off + w.data.nbytes], w.data.reshape(-1))
-    assert in_panels == sum(int(w.qtype) in _DECODE_PANELS for w in weights + [m.output])
-    assert (in_panels > len(weights) - 1) == (int(qtype) in _DECODE_PANELS)  # the layers' (and head's), or none
+    assert in_panels == (len(weights) + 1 if has_panels(qtype) else 0)
     np.testing.assert_array_equal(plan.table[n, 1], exact.table[n, 1])  # the embedding: the file
 
 

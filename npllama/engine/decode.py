@@ -31,7 +31,7 @@ from ..kernels.attention import _BLOCK, _decode_chunk, _merge_chunks
 from ..kernels.f16 import _st, bits
 from ..kernels.nn import ACTS, _glu_row, _rmsnorm_row, _rope_row
 from ..kernels.panels import PANEL, _panel_dots, _quantize_rows
-from ..kernels.quants import _Q4_0, _Q4_1, _Q4_K, _Q8_0, _block_sums, _deq_row, _rows_f32
+from ..kernels.quants import _block_sums, _deq_row, _rows_f32
 from ..kernels.quants_int8 import _has_i8, _rows_i8
 from ..kernels.workshare import _finish, _take, _wait, phase_size
 from . import block
@@ -39,10 +39,6 @@ from . import block
 _MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # the products of a layer, in order
 _STEPS = len(_MATRICES)
 _ATT = _STEPS  # the attention's counters follow the products'
-# The types whose products the int8 decode step reads from the panels: Q5_0's and Q5_1's spend
-# a byte an element there, 1.5 times their GGUF rows, which a step reading each weight once
-# reads faster (measured: SmolLM2 Q4_K_M, mostly Q5_0, 180 against 136 tokens/s).
-_DECODE_PANELS = frozenset((_Q4_0, _Q4_1, _Q8_0, _Q4_K))
 # Work items (chunks of keys) a step's attention is split into per thread. Every thread
 # merges every chunk's state, half of them written by another core: 2 per thread decoded
 # 3-4% faster than 4 (same-process A/B, at 128 and at 1000 tokens of context), as fast as 1,
@@ -82,7 +78,7 @@ class DecodePlan:
         self.panels = model.panel_arena if int8 else np.empty(0, np.uint8)
 
         def entry(w, *pair):  # the panels where w (and the weight it pairs with) have them
-            if int8 and all(int(v.qtype) in _DECODE_PANELS and model.panels(v) is not None for v in (w, *pair)):
+            if int8 and all(model.panels(v) is not None for v in (w, *pair)):
                 return _entry(self.panels, model.panels(w), w, True)
             return _entry(self.buffer, w.data, w)
 

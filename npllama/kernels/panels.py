@@ -10,24 +10,27 @@ A Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or Q4_K weight is laid out again, once, in panels
 block; for each block of 32 columns:
 
     quants: 64-byte vectors whose bytes 4r..4r+3 are bytes 4k..4k+3 of row r's quants, for
-            k = 0..3 (Q4_0, Q4_1, Q4_K: each byte holds element 4k+i in its low nibble and
-            element 16+4k+i in its high one, as in a Q4_0 block) or k = 0..7 (one element a
-            byte: Q8_0's offset by 128 so that it is unsigned, Q5_0's and Q5_1's five bits joined)
+            k = 0..3 (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K: each byte holds element 4k+i in its low
+            nibble and element 16+4k+i in its high one, as in a Q4_0 block) or k = 0..7 (Q8_0:
+            one element a byte, offset by 128 so that it is unsigned)
+    bits:   (Q5_0, Q5_1) a 64-byte vector of the fifth bits: bit k of byte 4r+i is the fifth
+            bit of row r's element 4k+i, bit 4+k that of element 16+4k+i (k = 0..3)
     d:      the 16 rows' float16 scales, then (Q4_1, Q5_1) their float16 minimums m; for Q4_K
             the float32 products d sc of its super-block scale and the block's 6-bit scale,
             then -dmin m (exact in float32: 11 bits times 6)
 
-so a panel block is the size of its 16 GGUF blocks (Q4_1 320 bytes, Q4_0 288, Q8_0 544), or
-1.5 times it (Q5_0 544 bytes, Q5_1 576), or 4/3 (Q4_K 384).
+so a panel block is the size of its 16 GGUF blocks (Q4_1 320 bytes, Q4_0 288, Q5_0 352, Q5_1
+384, Q8_0 544), or 4/3 of it (Q4_K 384).
 
 The int8 micro-kernel
 ---------------------
 Each activation row x is quantized per block of 32 as the decode step quantizes it
 (`quants_int8._quantize_x_q8`: int8 q, scale d_x, s_x = d_x sum q), plus the integer sum of
 the block's q. For a panel and a tile of up to 4 activation rows, per block: each 64-byte
-vector of quants (split into its low and high nibbles) meets the 4 bytes of x that its
-elements multiply, broadcast to all 16 rows, in one u8 x s8 dot into 16 int32 lanes
-(vpdpbusd: lane r accumulates row r), so a block costs 8 dots per activation row, after which
+vector of quants (split into its low and high nibbles, Q5's fifth bits or-ed in as bit 4)
+meets the 4 bytes of x that its elements multiply, broadcast to all 16 rows, in one u8 x s8
+dot into 16 int32 lanes (vpdpbusd: lane r accumulates row r), so a block costs 8 dots per
+activation row, after which
 
     acc_r += float(isum_r - bias sum q) * (d_r d_x)    bias: 8 (Q4_0), 16 (Q5_0), 128 (Q8_0), else 0
     acc_r += m_r s_x                                    (Q4_1, Q5_1, Q4_K)
@@ -40,11 +43,12 @@ ones with AVX-VNNI, else portable IR (widening multiplies; `_make_panel_dots(isa
 The float32 micro-kernel
 ------------------------
 For a panel and a tile of up to 8 activation rows (then 4, then 1), per block: each column's
-16 weights (one per row: a shift and a mask of a 64-byte vector) are converted to float32
-exactly, w_r = d_r q_r + m_r (or d_r (q_r - bias)), and multiplied-added with the column's x
-value of each row of the tile, broadcast: acc_r += w_r x_t. Each weight is dequantized once
-per tile, in registers, and a row's sum runs over the columns in one fixed order whatever the
-tile, so here too a row's products do not depend on the rows beside it.
+16 weights (one per row: a shift and a mask of a 64-byte vector, for Q5 or-ed with the fifth
+bit) are converted to float32 exactly, w_r = d_r q_r + m_r (or d_r (q_r - bias)), and
+multiplied-added with the column's x value of each row of the tile, broadcast: acc_r += w_r
+x_t. Each weight is dequantized once per tile, in registers, and a row's sum runs over the
+columns in one fixed order whatever the tile, so here too a row's products do not depend on
+the rows beside it.
 
 Njit level (C-contiguous arrays, nothing raises):
 
@@ -78,14 +82,14 @@ _TT = 4     # activation rows per tile of the int8 micro-kernel
 _TT_F32 = (8, 4, 1)  # the float32 micro-kernel's tiles, largest first
 
 # kind: (GGUF block bytes, offset of its quants, 4-byte groups per block, panel block bytes, bias,
-#        has m, bytes of a panel's d and m)
+#        has m, bytes of a panel's d and m, has fifth bits: the uint32 before the quants)
 _KINDS = {
-    "q4_0": (18, 2, 4, 288, 8, False, 2),
-    "q4_1": (20, 4, 4, 320, 0, True, 2),
-    "q5_0": (22, 6, 8, 544, 16, False, 2),   # the fifth bits: the uint32 at offset 2
-    "q5_1": (24, 8, 8, 576, 0, True, 2),     # the fifth bits: the uint32 at offset 4
-    "q8_0": (34, 2, 8, 544, 128, False, 2),
-    "q4_k": (144, 16, 4, 384, 0, True, 4),   # a GGUF block is a super-block of 256
+    "q4_0": (18, 2, 4, 288, 8, False, 2, False),
+    "q4_1": (20, 4, 4, 320, 0, True, 2, False),
+    "q5_0": (22, 6, 4, 352, 16, False, 2, True),
+    "q5_1": (24, 8, 4, 384, 0, True, 2, True),
+    "q8_0": (34, 2, 8, 544, 128, False, 2, False),
+    "q4_k": (144, 16, 4, 384, 0, True, 4, False),   # a GGUF block is a super-block of 256
 }
 _CODES = {_Q4_0: "q4_0", _Q4_1: "q4_1", _Q5_0: "q5_0", _Q5_1: "q5_1", _Q8_0: "q8_0", _Q4_K: "q4_k"}
 _TYPES = "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K"
@@ -111,18 +115,20 @@ def _pack(src, dst, size, qoff, groups, pbs, has_m, flip, five):
             for b in range(nb):
                 o = b * size
                 ob = b * pbs
-                if five:  # element j: nibble j % 16 of the block (low, then high) | fifth bit j << 4
+                for k in range(groups):
+                    for i in range(4):
+                        dst[p, ob + 64 * k + 4 * r + i] = row[o + qoff + 4 * k + i] ^ flip
+                od = ob + 64 * groups
+                if five:  # the fifth bit of element j is bit j of the uint32 before the quants
                     hb = 0
                     for i in range(4):
                         hb |= np.int64(row[o + qoff - 4 + i]) << (8 * i)
-                    for j in range(32):
-                        q = (np.int64(row[o + qoff + j % 16]) >> (4 * (j // 16))) & 15
-                        dst[p, ob + 64 * (j // 4) + 4 * r + j % 4] = np.uint8(q | (((hb >> j) & 1) << 4))
-                else:
-                    for k in range(groups):
-                        for i in range(4):
-                            dst[p, ob + 64 * k + 4 * r + i] = row[o + qoff + 4 * k + i] ^ flip
-                od = ob + 64 * groups
+                    for i in range(4):
+                        bits = 0
+                        for k in range(4):
+                            bits |= ((hb >> (4 * k + i)) & 1) << k | ((hb >> (16 + 4 * k + i)) & 1) << (4 + k)
+                        dst[p, od + 4 * r + i] = np.uint8(bits)
+                    od += 64
                 dst[p, od + 2 * r] = row[o]
                 dst[p, od + 2 * r + 1] = row[o + 1]
                 if has_m:
@@ -178,7 +184,7 @@ def pack_panels(data, qtype, out=None) -> np.ndarray:
     kind = _CODES.get(int(qtype))
     if kind is None:
         raise ValueError(f"no panel kernels for type {qtype!r}; they exist for {_TYPES}")
-    size, qoff, groups, pbs, bias, has_m, _ = _KINDS[kind]
+    size, qoff, groups, pbs, bias, has_m, _, five = _KINDS[kind]
     data = np.ascontiguousarray(data)
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] % size:
         raise ValueError(f"{kind} rows must be a uint8 array of shape (rows, {size} * blocks), "
@@ -191,7 +197,7 @@ def pack_panels(data, qtype, out=None) -> np.ndarray:
     if kind == "q4_k":
         _pack_q4_k(data, out)
     else:
-        _pack(data, out, size, qoff, groups, pbs, has_m, np.uint8(128 if kind == "q8_0" else 0), kind.startswith("q5"))
+        _pack(data, out, size, qoff, groups, pbs, has_m, np.uint8(128 if kind == "q8_0" else 0), five)
     return out
 
 
@@ -269,7 +275,7 @@ def _make_panel_dots(isa: str):
         return load(at), (load(builder.add(at, ir.Constant(at.type, 16 * sbytes))) if has_m else None)
 
     def tile(builder, kind, arrays, t0, tt):  # tmp[t0 + t, :] for t < tt, int8 x
-        _, _, groups, pbs, bias, has_m, sbytes = _KINDS[kind]
+        _, _, groups, pbs, bias, has_m, sbytes, five = _KINDS[kind]
         pp, qp, dp, sp, ip, tmp, n = arrays
         nb = builder.sdiv(n, ir.Constant(n.type, 32))
         c = lambda v: ir.Constant(n.type, v)  # noqa: E731
@@ -287,6 +293,8 @@ def _make_panel_dots(isa: str):
                 w = _ir_load(builder, xrow[t], builder.add(xo, c(col)), _I32, 1)
                 return builder.bitcast(_ir_splat(builder, w, 16), v64b)
 
+            if five:
+                h = _ir_load(builder, pp, builder.add(ob, c(64 * groups)), v64b, 1)
             for k in range(groups):
                 v = _ir_load(builder, pp, builder.add(ob, c(64 * k)), v64b, 1)
                 if groups == 8:  # one element a byte
@@ -294,10 +302,16 @@ def _make_panel_dots(isa: str):
                 else:
                     parts = [(builder.and_(v, _const_vec(_I8, 64, 15)), 4 * k),
                              (builder.lshr(v, _const_vec(_I8, 64, 4)), 16 + 4 * k)]
+                if five:  # bit k (low nibbles) or 4 + k (high) of the fifth bits, moved to bit 4
+                    b16 = _const_vec(_I8, 64, 16)
+                    lo = builder.shl(h, _const_vec(_I8, 64, 4 - k))
+                    hi = builder.lshr(h, _const_vec(_I8, 64, k)) if k else h
+                    parts = [(builder.or_(parts[0][0], builder.and_(lo, b16)), parts[0][1]),
+                             (builder.or_(parts[1][0], builder.and_(hi, b16)), parts[1][1])]
                 for u, col in parts:
                     for t in range(tt):
                         isum[t] = _ir_dpbusd(builder, isum[t], u, x4(t, col), isa)
-            dw, mw = scales(builder, pp, builder.add(ob, c(64 * groups)), sbytes, has_m)
+            dw, mw = scales(builder, pp, builder.add(ob, c(64 * (groups + five))), sbytes, has_m)
             for t in range(tt):
                 at = builder.add(brow[t], b)
                 s = isum[t]
@@ -315,7 +329,7 @@ def _make_panel_dots(isa: str):
             builder.store(builder.load(acc[t]), ptr, align=4)
 
     def tile_f32(builder, kind, arrays, t0, tt):  # tmp[t0 + t, :] for t < tt, float32 x
-        _, _, groups, pbs, bias, has_m, sbytes = _KINDS[kind]
+        _, _, groups, pbs, bias, has_m, sbytes, five = _KINDS[kind]
         pp, xp, tmp, n = arrays
         nb = builder.sdiv(n, ir.Constant(n.type, 32))
         c = lambda v: ir.Constant(n.type, v)  # noqa: E731
@@ -326,16 +340,23 @@ def _make_panel_dots(isa: str):
             b = loop.index
             ob = builder.mul(b, c(pbs))
             xo = builder.mul(b, c(32))
-            dw, mw = scales(builder, pp, builder.add(ob, c(64 * groups)), sbytes, has_m)
+            dw, mw = scales(builder, pp, builder.add(ob, c(64 * (groups + five))), sbytes, has_m)
+            if five:
+                h = _ir_load(builder, pp, builder.add(ob, c(64 * groups)), v16i, 1)
             a = [builder.load(x) for x in acc]
             for k in range(groups):
                 v = _ir_load(builder, pp, builder.add(ob, c(64 * k)), v16i, 1)  # lane r: row r's 4 bytes
-                if groups == 8:   # (column, shift, mask) of each element in the lane
-                    cols = [(4 * k + i, 8 * i, 255) for i in range(4)]
+                if groups == 8:   # (column, shift, mask, fifth bit's position in h) of each element in the lane
+                    cols = [(4 * k + i, 8 * i, 255, None) for i in range(4)]
                 else:
-                    cols = [(4 * k + i, 8 * i, 15) for i in range(4)] + [(16 + 4 * k + i, 8 * i + 4, 15) for i in range(4)]
-                for col, shift, mask in cols:
+                    cols = ([(4 * k + i, 8 * i, 15, 8 * i + k) for i in range(4)]
+                            + [(16 + 4 * k + i, 8 * i + 4, 15, 8 * i + 4 + k) for i in range(4)])
+                for col, shift, mask, bit in cols:
                     q = builder.and_(builder.lshr(v, _const_vec(_I32, 16, shift)), _const_vec(_I32, 16, mask))
+                    if five:  # the fifth bit, moved from `bit` to bit 4
+                        f = (builder.lshr(h, _const_vec(_I32, 16, bit - 4)) if bit > 4 else
+                             builder.shl(h, _const_vec(_I32, 16, 4 - bit)) if bit < 4 else h)
+                        q = builder.or_(q, builder.and_(f, _const_vec(_I32, 16, 16)))
                     if bias:
                         q = builder.sub(q, _const_vec(_I32, 16, bias))
                     f = builder.sitofp(q, v16f)
