@@ -56,14 +56,15 @@ def main():
     s.feed(ids[-1:])
     dt = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    file_mib = os.path.getsize(m.path) / 2**20
+    file_mib = mapped_mib(os.path.basename(m.path))  # int8 mode drops the rows it has panels of
     kv = s.cache.nbytes / 2**20
     print(f"{args.tokens}-token session ({dt:.1f} s): peak RSS {peak:.0f} MiB = model file {file_mib:.0f} "
-          f"+ KV cache {kv:.0f} ({s.cache.dtype}, capacity {s.cache.capacity}) + runtime {runtime:.0f} "
-          f"+ other {peak - file_mib - kv - runtime:.0f} MiB")
+          f"(resident, of {os.path.getsize(m.path) / 2**20:.0f}) + KV cache {kv:.0f} ({s.cache.dtype}, capacity "
+          f"{s.cache.capacity}) + runtime {runtime:.0f} + other {peak - file_mib - kv - runtime:.0f} MiB")
     if args.activations == "int8":
         panels = m.panel_arena.nbytes / 2**20
-        print(f"int8 mode: the panels of the prefill, decode and batched products {panels:.0f} MiB (in 'other')")
+        print(f"int8 mode: the panels of the prefill, decode and batched products {panels:.0f} MiB (in 'other'; "
+              f"the file's rows of those weights leave the resident set as they are packed)")
     print(f"runtime: LLVM's library {llvm:.0f} MiB resident; Numba imported SciPy for its BLAS bindings: "
           f"{'yes' if scipy else 'no'}")
 

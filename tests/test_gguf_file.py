@@ -1,4 +1,5 @@
 """GGUFFile: config and tensors of tiny models, zero-copy views, and one test per validation error."""
+import mmap
 import os
 import struct
 
@@ -342,3 +343,34 @@ def test_duplicate_tensor_name(tiny):
     at = data.index(b"blk.0.attn_k.weight")
     _patch(tiny, at, "19s", b"blk.0.attn_q.weight")
     _raises(tiny, "duplicate tensor 'blk.0.attn_q.weight'")
+
+
+def _resident_kib(path) -> int:
+    """KiB of this process's mappings of the file `path` that are resident (/proc/self/smaps)."""
+    total, ours = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5:  # a mapping's first line: address range ... path
+                ours = len(head) >= 6 and head[5] == os.fspath(path)
+            elif ours and head[0] == "Rss:":
+                total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps (Linux)")
+def test_release_drops_the_pages_and_keeps_the_data(tmp_path):
+    """GGUFFile.release: the whole pages inside a view of the buffer leave the resident set;
+    reading the view again gives the same bytes (from the page cache)."""
+    path = write_tiny_llama(tmp_path / "m.gguf", n_embd=256, n_ff=512)
+    f = GGUFFile(path)
+    data = f.tensor("blk.0.ffn_up.weight").data  # 512 x 256 float32: 128 pages
+    want = np.array(data)  # reads every page
+    before = _resident_kib(path)
+    f.release(data)
+    dropped = before - _resident_kib(path)
+    pages = data.nbytes // mmap.PAGESIZE - 1  # the whole pages inside the view
+    assert dropped >= pages * mmap.PAGESIZE // 1024 > 0
+    np.testing.assert_array_equal(data, want)
+    with pytest.raises(ValueError, match="view of the file's buffer"):
+        f.release(np.zeros(8, np.uint8))

@@ -213,7 +213,9 @@ class Transformer:
 
     def _pack_panels(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """(arena, {weight name: its panels, a view of the arena}) for every product weight of a
-        type with panel kernels whose inputs are whole blocks of 32."""
+        type with panel kernels whose inputs are whole blocks of 32. In int8 mode, where no
+        product reads those weights' GGUF rows, their pages leave the resident set as they are
+        packed (`GGUFFile.release`; a tied embedding's rows come back as tokens look them up)."""
         ws = {}
         for L in self.layers:
             for w in (L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down, L.router, *(w for e in L.experts for w in e)):
@@ -228,6 +230,8 @@ class Transformer:
             p, b = shapes[n]
             views[n] = pack_panels(w.data, w.qtype, out=arena[at:at + p * b].reshape(p, b))
             at += p * b
+            if self.activations == "int8":  # every product reads the panels: the file's rows leave RSS
+                self.file.release(w.data)
         return arena, views
 
     def _run(self, ids: np.ndarray, cache: KVCache, all_logits: bool, output: str, threads: int) -> np.ndarray:

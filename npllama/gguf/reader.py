@@ -91,6 +91,7 @@ class GGUFFile:
                 raise GGUFError(f"{self.path}: file is truncated: {size} bytes is shorter than a GGUF header (24 bytes)")
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self.buffer = np.frombuffer(mm, dtype=np.uint8)
+        self._mm = mm
         parser = _Parser(self.path, mm, size)
         self.version, self.metadata, infos = parser.parse()
         self.alignment = _alignment(self.path, self.metadata)
@@ -117,6 +118,20 @@ class GGUFFile:
 
     def __repr__(self) -> str:
         return f"GGUFFile({self.path!r}, arch={self.config.arch!r}, {len(self.tensors)} tensors)"
+
+    def release(self, data: np.ndarray) -> None:
+        """Let this process's resident memory drop the pages that hold `data`, a view of the
+        buffer (the whole pages inside it): they stay in the OS's page cache and are read
+        again from there if `data` is. For tensors that are read from another copy (the int8
+        mode's weight panels); a no-op where the OS has no madvise."""
+        if not hasattr(self._mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        lo = data.__array_interface__["data"][0] - self.buffer.__array_interface__["data"][0]
+        if not 0 <= lo <= lo + data.nbytes <= self.buffer.nbytes:
+            raise ValueError("release() takes a view of the file's buffer")
+        start, end = -(-lo // mmap.PAGESIZE) * mmap.PAGESIZE, (lo + data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def _tensor(self, name: str, qtype: QT, dims: tuple[int, ...], rel_offset: int) -> TensorInfo:
         """Check one tensor-table entry against the file and build its zero-copy view."""
