@@ -117,31 +117,6 @@ def test_int8_generate_many_does_not_depend_on_the_batch(tmp_path):
     assert generate_many(m, prompts, temperature=0, max_tokens=8, max_batch=3, page_size=4) == alone
 
 
-@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q5_0, QT.Q8_0])
-def test_int8_session_is_the_packed_pass_bit_for_bit(tmp_path, qtype):
-    """int8 mode with every weight in panels: a session (its prefill, then the fused decode
-    step, on 1 or 2 threads) gives a sequence the packed pass's logits bit for bit, the pass
-    run beside another sequence; so generate_batch may batch and still equal generate."""
-    from npllama.engine.batch import decodes_alone
-    m = npllama.Model(write_tiny_llama(tmp_path / "m.gguf", qtype=qtype), activations="int8")
-    assert decodes_alone(m)
-    prompt, other = prompts_of((45, 6), seed=3)  # past one block of 32 keys
-    pool = KVPool.for_model(m, tokens=128, page_size=4)
-    seq, beside = pool.new_seq(), pool.new_seq()
-    want = [forward_batch(m, pool, [seq, beside], [prompt, other])[0]]
-    tokens = []
-    for i in range(6):
-        tokens.append(int(np.argmax(want[-1])))
-        want.append(forward_batch(m, pool, [seq, beside], [tokens[-1:], [5 + i]])[0])
-    for threads in (1, 2):
-        s = m.session(threads=threads)
-        got = [s.feed(prompt)] + [s.feed([t]) for t in tokens]
-        for g, w in zip(got, want):
-            np.testing.assert_array_equal(g, w)
-    f16 = npllama.Model(write_tiny_llama(tmp_path / "f16.gguf", qtype=QT.F16), activations="int8")
-    assert not decodes_alone(f16)  # float16 products: the fused step's int8 rows would round otherwise
-
-
 def test_packed_batch_in_chunks_and_through_blas(model, monkeypatch):
     from npllama.engine import batch
     monkeypatch.setattr(batch, "CHUNK_TOKENS", 5)  # chunks cut through the sequences
@@ -447,16 +422,13 @@ def test_default_model_generate_many_is_token_identical(default_model):
 @pytest.mark.model
 def test_default_model_int8_complete_many_is_token_identical(default_model_path):
     """int8 activations: requests batched together give the tokens each gives through the
-    scheduler alone (the fused decode step, which computes a token as the packed pass does),
-    and generate_batch gives generate's text."""
+    scheduler alone (the packed pass, whose products do not depend on the batch)."""
     m = npllama.Model(default_model_path, activations="int8")
     prompts = ["Once upon a time", m.format_chat([{"role": "user", "content": "Name three colors."}]),
                "def fibonacci(n):", "In a distant galaxy, far beyond the reach of any telescope, a small robot"]
     alone = [complete_many(m, [p], temperature=0, max_tokens=12)[0] for p in prompts]
     together = complete_many(m, prompts, temperature=0, max_tokens=12, max_batch=4)
     assert [[t.id for t in a.tokens] for a in alone] == [[t.id for t in b.tokens] for b in together]
-    assert m.generate_batch(prompts, temperature=0, max_tokens=12) == [m.generate(p, temperature=0, max_tokens=12)
-                                                                     for p in prompts]
 
 
 # =============================================================================================

@@ -95,29 +95,6 @@ def test_swiglu(shape):
         swiglu(g, u[..., :1] if shape[-1] > 1 else np.ones(2, np.float32))
 
 
-@pytest.mark.parametrize("n", [1, 5, 16, 17, 1536])
-def test_glu_row_has_each_elements_bits_alone(n):
-    """The vectorized GLU row (the decode step's) gives every element the bits of the one-element
-    function (the panel products'), wherever the element falls in the vector loop or its
-    remainder: the int8 mode's batched and single runs depend on it."""
-    from numba import njit
-    from npllama.kernels.nn import _glu1, _glu_row
-
-    @njit
-    def one_by_one(g, u, out, act):
-        for i in range(g.shape[0]):
-            out[i] = _glu1(g[i], u[i], act)
-
-    rng = np.random.default_rng(n)
-    g = np.concatenate([rng.normal(0, 4, n - 1), [-100.0]]).astype(np.float32)  # exp's far tail too
-    u = rng.normal(0, 1, n).astype(np.float32)
-    for act in (0, 1):
-        a, b = np.empty_like(g), np.empty_like(g)
-        _glu_row(g, u, a, act)
-        one_by_one(g, u, b, act)
-        np.testing.assert_array_equal(a, b)
-
-
 def ref_rope(x, positions, base, rope_dim, neox, factors=None, mscale=1.0):
     """Rotate with complex numbers (scaled by `mscale`); pairs picked by the convention."""
     x = x.astype(np.float64).copy()

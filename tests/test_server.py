@@ -546,9 +546,8 @@ def test_cli_serve_refuses_a_pool_too_big_for_memory(tiny_model_path):
 @pytest.mark.model
 def test_default_model_int8_concurrent_equals_sequential(default_model_path):
     """With int8 activations a token's products round its quantized input, so they would
-    magnify any difference in the last bit: the server computes a lone request (the fused
-    decode step) as it computes a batch, and concurrent greedy requests equal the same
-    requests one at a time."""
+    magnify any difference in the last bit: the server computes a lone request as it computes
+    a batch, and concurrent greedy requests equal the same requests one at a time."""
     s = Running(npllama.Model(default_model_path, activations="int8"), ctx=256, parallel=6)
     try:
         c = s.client()

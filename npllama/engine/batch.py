@@ -130,26 +130,19 @@ def _ops(model, attention, rows_kernels):
 
 
 def decodes_alone(model) -> bool:
-    """Whether `decode_alone` applies to `model`: no mixture of experts (which the fused step
-    does not run), and with int8 activations every product weight in panels, so that the
-    fused step computes a token with the packed pass's bits (its other products, the int8
-    row kernels, round differently, and int8 quantization turns a last-bit difference into
-    other tokens: a lone sequence then takes the packed pass, as in a batch)."""
-    if model.config.n_expert:
-        return False
-    if model.activations == "f32":
-        return True
-    products = [w for L in model.layers for w in (L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down)]
-    return all(model.panels(w) is not None for w in products + [model.output])
+    """Whether `decode_alone` applies to `model`: exact (float32) activations, and no mixture
+    of experts (which the fused step does not run). With int8 activations a token's products
+    depend on the last bit of its input (its quantization rounds), so a lone sequence takes
+    the packed pass as in a batch: its results then do not depend on the batch."""
+    return model.activations == "f32" and not model.config.n_expert
 
 
 def decode_alone(model, pool: KVPool, seq: PoolSeq, token: int, *, threads: int | None = None) -> np.ndarray:
     """Logits (n_vocab,) after one more token of a pool sequence that is decoding alone: the
     fused decode step of a session (engine/decode.py) over the sequence's pages, in place of
     a packed pass of one token (one compiled call instead of a Python loop over the layers:
-    about half the time). The same products: in int8 mode the same bits (the step's
-    attention is the packed pass's kernel, see decode._attention), in the exact mode the
-    same results up to float rounding; for models where `decodes_alone` holds."""
+    about half the time). The same products, so the same results up to float rounding; for
+    models where `decodes_alone` holds."""
     _check_pool(model, pool)
     model.ropes.check_range(seq.length, seq.length + 1)
     return model.decode_plan.step_paged(int(token), pool, seq, check_threads(threads) or model.threads)

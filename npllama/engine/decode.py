@@ -30,7 +30,6 @@ from numba import njit, prange
 from ..kernels.attention import _BLOCK, _decode_chunk, _merge_chunks
 from ..kernels.f16 import _st, bits
 from ..kernels.nn import ACTS, _glu_row, _rmsnorm_row, _rope_row
-from ..kernels.paged_attention import _paged_task
 from ..kernels.panels import PANEL, _panel_dots, _quantize_rows
 from ..kernels.quants import _block_sums, _deq_row, _rows_f32
 from ..kernels.quants_int8 import _has_i8, _rows_i8
@@ -378,7 +377,7 @@ def _worker(ctr, home, nr, token, pos, buffer, panels, table, attn_norm, ffn_nor
                 elif step == 3:
                     _attention(ctr, home, nr, li, pos, res[li], offs, n_items, q, k, v, bq, bk, bv, q_norm, k_norm,
                                lcfg[li], eps, kvs[li], pages, ps, cos, sin, neox, scale, part_m[li], part_l[li],
-                               part_acc[li], s, int8, ha)
+                               part_acc[li], s, ha)
                     _prepare(ha, int8, xsum, xa)
                 elif step == 4:
                     _wait(ctr, _slot(li, 3, nr), nr, n_items[3])
@@ -419,23 +418,16 @@ def _residual(x, r, post, li, eps, tmp):
 
 @njit(cache=True)
 def _attention(ctr, home, nr, li, pos, res, offs, n_items, q, k, v, bq, bk, bv, q_norm, k_norm, lcfg, eps, kv, pages,
-               ps, cos, sin, neox, scale, part_m, part_l, part_acc, s, int8, out):
+               ps, cos, sin, neox, scale, part_m, part_l, part_acc, s, out):
     """A thread's part of layer li's attention: wait for q, k, v; norm and RoPE them
-    (privately) as the layer says and write the new key and value rows; take its items;
-    gather every head's result into out (H * D).
+    (privately) as the layer says and write the new key and value rows; take chunks of the
+    keys the query sees (its window's, in a sliding layer) as items (every KV head of a
+    chunk at once); merge every head's chunks into out (H * D).
 
-    Exact mode: the items are chunks of the keys the query sees (its window's, in a sliding
-    layer; every KV head of a chunk at once), merged at the end. int8 mode: the items are the
-    KV heads, each folded over all its keys by the packed pass's own kernel
-    (paged_attention._paged_task, one query row), so that a decoded token's attention has
-    the same bits alone as in a batch, whatever the thread count (int8 quantization would
-    turn a last-bit difference into other tokens).
-
-    q: (KVH, G, D) scratch for the query; k, v: (KVH, D); lcfg: the layer's [RoPE table or
-    -1, window or 0]; position p's record is kv[pages[p // ps] * ps + p % ps] (a session's
-    cache: one page of its whole capacity); part_m, part_l: (n_chunks, KVH, G) and part_acc
-    (n_chunks, KVH, G, D): the chunks' running states (int8 mode: chunk 0 holds the heads'
-    results); s: (KVH, G, _BLOCK) scores."""
+    q: (KVH, G, D) scratch for the scaled query; k, v: (KVH, D); lcfg: the layer's [RoPE
+    table or -1, window or 0]; position p's record is kv[pages[p // ps] * ps + p % ps] (a
+    session's cache: one page of its whole capacity); part_m, part_l: (n_chunks, KVH, G) and
+    part_acc (n_chunks, KVH, G, D): the chunks' running states."""
     KVH, G, D = q.shape
     n_chunks = part_m.shape[0]
     for step in range(3):
@@ -456,31 +448,17 @@ def _attention(ctr, home, nr, li, pos, res, offs, n_items, q, k, v, bq, bk, bv, 
     if lcfg[0] >= 0:
         _rope_row(q.reshape(KVH * G, D), pos, cos[lcfg[0]], sin[lcfg[0]], neox)
         _rope_row(k, pos, cos[lcfg[0]], sin[lcfg[0]], neox)
+    q *= scale
     # every thread writes the same new row, before any of its own reads of it
     at = pages[pos // ps] * ps + pos % ps
     for g in range(KVH):
         for d in range(D):
             _st(kv[at, g, 0], d, k[g, d])
             _st(kv[at, g, 1], d, v[g, d])
-    slot = _slot(li, _ATT, nr)
-    done = 0
-    if int8:
-        kv_pages = kv.reshape(kv.shape[0] // ps, ps, KVH, 2, D)
-        table = pages.astype(np.int32)  # as the packed pass's page tables
-        result = part_acc[0].reshape(1, KVH * G, D)
-        while True:
-            g = _take(ctr, slot, home, nr, KVH)
-            if g < 0:
-                break
-            _paged_task(q.reshape(1, KVH * G, D), kv_pages, table, 0, pos, 1, g, scale, lcfg[1], result)
-            done += 1
-        _finish(ctr, slot, nr, done)
-        _wait(ctr, slot, nr, KVH)
-        out[:] = result.reshape(KVH * G * D)
-        return
-    q *= scale
     lo = max(0, pos + 1 - lcfg[1]) if lcfg[1] > 0 else 0  # the first key the query sees
     chunk = -(-(pos + 1 - lo) // n_chunks)
+    slot = _slot(li, _ATT, nr)
+    done = 0
     while True:
         c = _take(ctr, slot, home, nr, n_chunks)
         if c < 0:

@@ -186,13 +186,10 @@ def generate_batch(model, prompts: Sequence, *, progress: bool | None = None, **
 
     Prompts run together with continuous batching (`npllama.scheduler.generate_many`: new prompts
     join as others finish, shared prefixes are computed once); with greedy sampling each result
-    equals running that prompt alone. With activations="int8" that holds bit for bit where a
-    session and the batched pass compute every token the same way (`batch.decodes_alone`:
-    every product weight of a type with panels, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or Q4_K); other
-    int8 models run their prompts one by one, to keep the equality.
+    equals running that prompt alone. The batched kernels compute in float32, so a model loaded
+    with activations="int8" runs its prompts one by one instead, to keep that equality.
     """
-    from ..engine.batch import decodes_alone
-    if model.activations == "f32" or decodes_alone(model):
+    if model.activations == "f32":
         from .scheduler import generate_many
         return generate_many(model, prompts, progress=progress, **options)
     results = []

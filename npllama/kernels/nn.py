@@ -92,27 +92,23 @@ _GELU_C = np.float32(2.0 * 0.7978845608028654)  # 2 sqrt(2 / pi)
 _GELU_A = np.float32(0.044715)
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, fastmath=_FM, error_model="numpy", inline="always")
 def _glu1(g, u, act):
     """act(g) * u for one element, act a code of ACTS: silu(g) = g / (1 + exp(-g)), and
     gelu_tanh(g) = g/2 (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
-                 = g / (1 + exp(-2 sqrt(2/pi) (g + 0.044715 g^3))).
-    Strict IEEE arithmetic, and so are the loops that call it: an element gets the same bits in
-    a vectorized loop (the decode step's) as alone (the panel products'), where fast-math
-    would let each context contract and divide its own way."""
+                 = g / (1 + exp(-2 sqrt(2/pi) (g + 0.044715 g^3)))."""
     z = _GELU_C * (g + _GELU_A * g * g * g) if act == 1 else g
     return g / (np.float32(1.0) + _exp(-z)) * u
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, fastmath=_FM, error_model="numpy")
 def _swiglu_row(gate, up, out):
-    # gate, up, out: (n,); out = silu(gate) * up (no division check: the loop vectorizes; no
-    # fast-math: the vector loop and its scalar remainder give an element the same bits)
+    # gate, up, out: (n,); out = silu(gate) * up (no division check: the loop vectorizes)
     for i in range(gate.shape[0]):
         out[i] = _glu1(gate[i], up[i], 0)
 
 
-@njit(cache=True, error_model="numpy")
+@njit(cache=True, fastmath=_FM, error_model="numpy")
 def _geglu_row(gate, up, out):
     # gate, up, out: (n,); out = gelu_tanh(gate) * up
     for i in range(gate.shape[0]):

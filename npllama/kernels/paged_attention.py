@@ -83,33 +83,28 @@ def _paged_kernel(q, kv, tables, blk_seq, blk_row, blk_pos, blk_len, scale, wind
     tables: (B, n_table) int32; block k covers query rows blk_row[k] .. + blk_len[k] - 1 of
     sequence blk_seq[k], at positions blk_pos[k] ...
     """
+    H = q.shape[1]
+    D = q.shape[2]
     KVH = kv.shape[2]
+    G = H // KVH
     nb = blk_seq.shape[0]
     for task in prange(nb * KVH):
         k = task // KVH
-        _paged_task(q, kv, tables[blk_seq[k]], blk_row[k], blk_pos[k], blk_len[k], task % KVH, scale, window, out)
-
-
-@njit(fastmath=_FASTMATH, cache=True)
-def _paged_task(q, kv, table, i0, pos0, R, g, scale, window, out):
-    """out[i0:i0 + R, the heads of KV head g] = the attention of query rows i0..i0+R-1 (at
-    positions pos0...) over their keys (table: the sequence's page ids, int32). The fused
-    decode step runs it too (one row), so that a decoded token's attention has the same bits
-    there as in a packed pass."""
-    D = q.shape[2]
-    G = q.shape[1] // kv.shape[2]
-    m = np.full((R, G), -np.inf, dtype=np.float32)
-    l = np.zeros((R, G), dtype=np.float32)
-    acc = np.zeros((R, G, D), dtype=np.float32)
-    s = np.empty((R, G, _BLOCK), dtype=np.float32)
-    kb = np.empty((_BLOCK, D), dtype=np.float32)
-    vb = np.empty((_BLOCK, D), dtype=np.float32)
-    _paged_block(q, kv, table, i0, pos0, g, scale, window, m, l, acc, s, kb, vb)
-    for r in range(R):
-        for gh in range(G):
-            inv = np.float32(1.0) / l[r, gh] if l[r, gh] > 0 else np.float32(0.0)
-            for d in range(D):
-                out[i0 + r, g * G + gh, d] = acc[r, gh, d] * inv
+        g = task % KVH
+        R = blk_len[k]
+        i0 = blk_row[k]
+        m = np.full((R, G), -np.inf, dtype=np.float32)
+        l = np.zeros((R, G), dtype=np.float32)
+        acc = np.zeros((R, G, D), dtype=np.float32)
+        s = np.empty((R, G, _BLOCK), dtype=np.float32)
+        kb = np.empty((_BLOCK, D), dtype=np.float32)
+        vb = np.empty((_BLOCK, D), dtype=np.float32)
+        _paged_block(q, kv, tables[blk_seq[k]], i0, blk_pos[k], g, scale, window, m, l, acc, s, kb, vb)
+        for r in range(R):
+            for gh in range(G):
+                inv = np.float32(1.0) / l[r, gh] if l[r, gh] > 0 else np.float32(0.0)
+                for d in range(D):
+                    out[i0 + r, g * G + gh, d] = acc[r, gh, d] * inv
 
 
 def plan_blocks(seq_of_token: np.ndarray, positions: np.ndarray, rows: int = _ROWS):
