@@ -12,13 +12,13 @@ counters (npllama.workshare).
 The weights are addressed as (type, byte offset, rows, row bytes, buffer) entries into the
 model file's memory map or, in int8 mode, into the model's panels (kernels/panels.py, the
 layout the prefill and the batched pass read too, so a product gives the same bits in all
-three) for the types that have them (`DecodePlan.table`, `DecodePlan.panels`), rather than as
-tuples of arrays: a tuple
-indexed by layer inside compiled code becomes a branch per layer at every use, which made
-compiling a 30-layer step take minutes. The new key and value rows are written straight into
-the KV cache's array; the caller commits them afterwards. The cache is addressed through a
-page table: a session's cache is one page (`DecodePlan.step`), a KV pool sequence its pages
-(`DecodePlan.step_paged`, for a request decoding alone in the continuous batching).
+three) for the types that have them (`DecodePlan.table`, `DecodePlan.panels`), rather than
+as tuples of arrays: a tuple indexed by layer inside compiled code becomes a branch per
+layer at every use, which made compiling a 30-layer step take minutes. The new key and
+value rows are written straight into the KV cache's array; the caller commits them
+afterwards. The cache is addressed through a page table: a session's cache is one page
+(`DecodePlan.step`), a KV pool sequence its pages (`DecodePlan.step_paged`, for a request
+decoding alone in the continuous batching).
 """
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ def _entry(buffer: np.ndarray, data: np.ndarray, w, in_panels: bool = False) -> 
     lo = buffer.__array_interface__["data"][0]
     start = data.__array_interface__["data"][0]
     if not (data.flags.c_contiguous and lo <= start and start + data.nbytes <= lo + buffer.nbytes):
-        raise ValueError(f"weight {w.name} is not a contiguous view of the model file")
+        raise ValueError(f"weight {w.name} is not a contiguous view of the "
+                         f"{'panel arena' if in_panels else 'model file'}")
     return [int(w.qtype), start - lo, w.rows if in_panels else data.shape[0], data.shape[1], int(in_panels)]
 
 
