@@ -124,11 +124,11 @@ class GGUFFile:
         buffer (the whole pages inside it): they stay in the OS's page cache and are read
         again from there if `data` is. For tensors that are read from another copy (the int8
         mode's weight panels); a no-op where the OS has no madvise."""
-        if not hasattr(self._mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
-            return
         lo = data.__array_interface__["data"][0] - self.buffer.__array_interface__["data"][0]
         if not 0 <= lo <= lo + data.nbytes <= self.buffer.nbytes:
             raise ValueError("release() takes a view of the file's buffer")
+        if not hasattr(self._mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+            return
         start, end = -(-lo // mmap.PAGESIZE) * mmap.PAGESIZE, (lo + data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
         if end > start:
             self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
