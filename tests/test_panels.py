@@ -167,3 +167,12 @@ def test_errors():
         with pytest.raises(ValueError, match="multiple of 32"):
             P.matmul_panels(pw, QT.Q4_1, 4, np.zeros((2, 60), np.float32), int8=int8)
     assert P.has_panels(QT.Q8_0) and P.has_panels(QT.Q4_K) and not P.has_panels(QT.Q6_K)
+    assert P.panel_shape(QT.Q4_1, 4, 64) == pw.shape == (1, 2 * 320)
+    out = np.zeros(pw.shape, np.uint8)
+    assert P.pack_panels(data, QT.Q4_1, out=out) is out
+    np.testing.assert_array_equal(out, pw)
+    for bad in (np.zeros((1, 639), np.uint8), np.zeros(pw.shape, np.int8), np.zeros((1, 1280), np.uint8)[:, ::2]):
+        with pytest.raises(ValueError, match="out must be a C-contiguous uint8 array of shape"):
+            P.pack_panels(data, QT.Q4_1, out=bad)
+    with pytest.raises(ValueError, match="no panel kernels for type"):
+        P.panel_shape(QT.Q6_K, 4, 256)

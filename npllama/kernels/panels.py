@@ -179,8 +179,8 @@ def panel_shape(qtype, rows: int, cols: int) -> tuple[int, int]:
 def pack_panels(data, qtype, out=None) -> np.ndarray:
     """The panels (n_panels, blocks of 32 * panel block bytes) uint8 of a Q4_0, Q4_1, Q5_0,
     Q5_1, Q8_0 or Q4_K weight `data` (rows, row bytes) uint8: the size of the weight rounded up
-    to 16 rows (1.5 times that for Q5_0 and Q5_1, 4/3 for Q4_K); in `out` (zeroed, of
-    `panel_shape`) where given, else a new array."""
+    to 16 rows (4/3 of that for Q4_K); in `out` (zeroed, of `panel_shape`) where given, else a
+    new array."""
     kind = _CODES.get(int(qtype))
     if kind is None:
         raise ValueError(f"no panel kernels for type {qtype!r}; they exist for {_TYPES}")
