@@ -83,19 +83,22 @@ def test_long_decode_matches_reference(tmp_path, variant, threads):
     assert np.abs(got - ref).max() <= 2e-4 * np.abs(ref).max()
 
 
-@pytest.mark.parametrize("qtype", [QT.F32, QT.Q8_0, QT.Q4_0, QT.Q4_1])
+@pytest.mark.parametrize("qtype", [QT.F32, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1])
 def test_int8_activations_decode_is_close(tmp_path, qtype):
-    """The opt-in int8 mode: prefill (the panel kernels) and decode (the fused step) logits near
-    the exact ones (activations quantized per block of 32 to int8 lose about 2^-8 relative
+    """The opt-in int8 mode: prefill and decode (the fused step; both on the weights' panels
+    for the quantized types) logits near the exact ones and near the float64 reference of
+    tests/naive.py (activations quantized per block of 32 to int8 lose about 2^-8 relative
     precision), with the same float32 KV cache (int8 mode's default float16 cache is tested
     apart)."""
     path = write_tiny_llama(tmp_path / "m.gguf", qtype=qtype)
     exact, fast = npllama.Model(path), npllama.Model(path, activations="int8", kv_dtype=np.float32)
     la, lb = (np.concatenate([s.feed(IDS[:4], all_logits=True)] + [s.feed([t])[None] for t in IDS[4:]])
               for s in (exact.session(), fast.session()))
+    ref = naive.forward(fast.file, IDS)
     for rows in slice(0, 4), slice(4, None):  # prefill, decode
         err = np.abs(la[rows] - lb[rows]).max() / np.abs(la[rows]).max()
         assert err < (1e-6 if qtype == QT.F32 else 3e-2)
+        assert np.abs(lb[rows] - ref[rows]).max() <= (2e-4 if qtype == QT.F32 else 3e-2) * np.abs(ref[rows]).max()
         if qtype != QT.F32:
             assert err > 0  # the int8 kernels really ran
     with pytest.raises(ValueError, match="activations must be"):
