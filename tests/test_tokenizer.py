@@ -20,7 +20,7 @@ from npllama.errors import GGUFError, ModelFetchError
 from npllama.gguf.reader import read_metadata
 from npllama.gguf.hub import known_model_path
 from npllama.text.tokenizer import (TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_USER_DEFINED, StreamDecoder, Tokenizer,
-                               check_metadata)
+                               _byte_level_bytes, check_metadata)
 from fuzz_targets_tokenizer import CORPUS as FUZZ_CORPUS
 from fuzz_targets_tokenizer import base_metadata, fuzz_tokenizer_one_input, tokenizer_seeds
 from llama_vocabs import VocabFetchError, read_vectors, vocab_dir, vocab_names
@@ -82,6 +82,21 @@ def test_merges_apply(tiny):
     the = tiny.encode(" the")
     assert [tiny.token_to_piece(i) for i in the] == ["Ġthe"]
     assert tiny.id_to_bytes(the[0]) == b" the"
+
+
+def _gpt2_piece_bytes(piece: str) -> bytes:
+    """GPT-2's definition: each character of a piece is one byte's stand-in (bytes_to_unicode);
+    npllama passes a piece with any other character whole as UTF-8, as llama.cpp does."""
+    stand_ins = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in stand_ins]
+    table = {chr(b): b for b in stand_ins} | {chr(256 + i): b for i, b in enumerate(others)}
+    return bytes(table[c] for c in piece) if all(c in table for c in piece) else piece.encode("utf-8")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(st.sampled_from("ĠĊčā !~¡¬®ÿ\x00\x20\x7f\xa0\xad\u0143\u0144\u0145\uffff日") | st.characters(blacklist_categories=("Cs",))))
+def test_byte_level_piece_bytes(piece):
+    assert _byte_level_bytes(piece) == _gpt2_piece_bytes(piece)
 
 
 @settings(max_examples=200, deadline=None)

@@ -25,7 +25,6 @@ from ..kernels.panels import has_panels, pack_panels, panel_shape
 from ..kernels.rope import Ropes
 from ..kernels.rows import matmul_rows as mm  # x @ W.T reading each weight row once, for a few to hundreds of rows
 from ..kernels.threads import check_threads, physical_cores, using_threads
-from ..text.chat import validate_messages
 from . import block
 from .ops import PanelOps, fits_rows
 
@@ -116,6 +115,7 @@ class Transformer:
     def format_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """`messages` rendered with the model's chat template, as HF's apply_chat_template does.
         A model without one (a base model) raises ValueError: it has no chat format to follow."""
+        from ..text.chat import validate_messages  # Jinja2 only once a chat is formatted
         validate_messages(messages)
         if self.tokenizer.chat_template is None:
             raise ValueError(f"{os.path.basename(self.path)} has no chat template (tokenizer.chat_template): it is "

@@ -36,12 +36,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from tokenizers import AddedToken, Regex
-from tokenizers import Tokenizer as _HFTokenizer
-from tokenizers import models, normalizers, pre_tokenizers
 
 from ..errors import GGUFError
-from .chat import format_chat
+
+# The `tokenizers` library and the chat templates' Jinja2 (.chat) are imported when a
+# tokenizer is first built and a template first rendered, not with npllama: a process that
+# feeds token ids never pays for them.
 
 __all__ = ["Tokenizer", "StreamDecoder", "check_metadata", "TOKEN_NORMAL", "TOKEN_UNKNOWN", "TOKEN_CONTROL",
            "TOKEN_USER_DEFINED", "TOKEN_UNUSED", "TOKEN_BYTE"]
@@ -79,26 +79,35 @@ _DEEPSEEK_CODER_SPLITS = ("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK_RUN)
 
 
 def _isolate(*patterns: str) -> list[pre_tokenizers.PreTokenizer]:
+    from tokenizers import Regex, pre_tokenizers
     return [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in patterns]
 
 
 def _byte_level(use_regex: bool) -> pre_tokenizers.PreTokenizer:
+    from tokenizers import pre_tokenizers
     return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=use_regex)
+
+
+def _digits(individual: bool) -> pre_tokenizers.PreTokenizer:
+    from tokenizers import pre_tokenizers
+    return pre_tokenizers.Digits(individual_digits=individual)
+
+
+def _punctuation() -> pre_tokenizers.PreTokenizer:
+    from tokenizers import pre_tokenizers
+    return pre_tokenizers.Punctuation("contiguous")
 
 
 # How each family splits text before byte-level BPE, as the original HF tokenizer.json builds it.
 _SPLITTERS: dict[str, Callable[[], list[pre_tokenizers.PreTokenizer]]] = {
     "gpt2": lambda: [_byte_level(True)],
-    "digits": lambda: [pre_tokenizers.Digits(individual_digits=True), _byte_level(True)],
+    "digits": lambda: [_digits(True), _byte_level(True)],
     "llama3": lambda: [*_isolate(_LLAMA3_PATTERN), _byte_level(False)],
     "qwen2": lambda: [*_isolate(_QWEN2_PATTERN), _byte_level(False)],
     "qwen35": lambda: [*_isolate(_QWEN35_PATTERN), _byte_level(False)],
-    "deepseek-llm": lambda: [*_isolate(*_DEEPSEEK_LLM_SPLITS), pre_tokenizers.Digits(individual_digits=False),
-                             _byte_level(False)],
-    "deepseek-coder": lambda: [*_isolate(*_DEEPSEEK_CODER_SPLITS), pre_tokenizers.Digits(individual_digits=True),
-                               _byte_level(False)],
-    "falcon": lambda: [pre_tokenizers.Punctuation("contiguous"), _byte_level(True),
-                       pre_tokenizers.Digits(individual_digits=False), *_isolate("[0-9][0-9][0-9]")],
+    "deepseek-llm": lambda: [*_isolate(*_DEEPSEEK_LLM_SPLITS), _digits(False), _byte_level(False)],
+    "deepseek-coder": lambda: [*_isolate(*_DEEPSEEK_CODER_SPLITS), _digits(True), _byte_level(False)],
+    "falcon": lambda: [_punctuation(), _byte_level(True), _digits(False), *_isolate("[0-9][0-9][0-9]")],
 }
 
 
@@ -147,14 +156,18 @@ def _gpt2_byte_decoder() -> dict[str, int]:
     return {c: b for b, c in table.items()}
 
 
-_GPT2_BYTE_DECODER = _gpt2_byte_decoder()
+# For str.translate: each stand-in character -> the Latin-1 character of its byte, and every other
+# character below 256 -> U+FFFF, so that a piece with any character outside the table fails to
+# encode as Latin-1 (those above 255 fail by themselves).
+_GPT2_TRANSLATE = {**dict.fromkeys(range(256), 0xFFFF), **{ord(c): b for c, b in _gpt2_byte_decoder().items()}}
 
 
 def _byte_level_bytes(piece: str) -> bytes:
-    """The bytes a byte-level BPE piece stands for (characters outside the table pass as UTF-8)."""
+    """The bytes a byte-level BPE piece stands for (a piece with characters outside the table
+    passes whole as UTF-8)."""
     try:
-        return bytes(_GPT2_BYTE_DECODER[c] for c in piece)
-    except KeyError:
+        return piece.translate(_GPT2_TRANSLATE).encode("latin-1")
+    except UnicodeEncodeError:
         return piece.encode("utf-8")
 
 
@@ -208,8 +221,8 @@ def _vocab_index(tokens: Sequence[str]) -> dict[str, int]:
     return index
 
 
-def _merge_pairs(merges: Sequence[str], vocab: Mapping[str, int]) -> list[tuple[str, str]]:
-    """The (left, right) pairs of byte-level BPE merges, each checked against the vocabulary.
+def _merge_pairs(merges: Sequence[str], vocab: Mapping[str, int] | None = None) -> list[tuple[str, str]]:
+    """The (left, right) pairs of byte-level BPE merges; each checked against `vocab` when given.
 
     A merge is ``"left right"``, split at its first space after the first character (as llama.cpp
     does); both halves and their concatenation must be tokens."""
@@ -219,10 +232,11 @@ def _merge_pairs(merges: Sequence[str], vocab: Mapping[str, int]) -> list[tuple[
         if cut < 0:
             raise _bad("tokenizer.ggml.merges", f"merge #{i} {merge!r} has no space between its two parts")
         left, right = merge[:cut], merge[cut + 1:]
-        for part in (left, right, left + right):
-            if part not in vocab:
-                raise _bad("tokenizer.ggml.merges",
-                           f"merge #{i} {merge!r} names {part!r}, which is not in tokenizer.ggml.tokens")
+        if vocab is not None:
+            for part in (left, right, left + right):
+                if part not in vocab:
+                    raise _bad("tokenizer.ggml.merges",
+                               f"merge #{i} {merge!r} names {part!r}, which is not in tokenizer.ggml.tokens")
         pairs.append((left, right))
     return pairs
 
@@ -277,15 +291,17 @@ def _spm_merges(vocab: Mapping[str, int], scores: Sequence[float]) -> list[tuple
 
 @dataclass
 class _Vocabulary:
-    """Tokenizer metadata, checked: what `Tokenizer.from_metadata` builds from."""
+    """Tokenizer metadata, checked: what `Tokenizer.from_metadata` builds from. It holds the
+    file's own lists, nothing derived from them: a model keeps it from load (where it is
+    checked) until its tokenizer is built, and the piece -> id index and the merge pairs, which
+    the check makes too, would hold ~10 MiB for a 49k-token vocabulary all that time."""
     model: str
     pre: str | None
     spec: _Pre | None  # byte-level BPE ("gpt2") only
     tokens: list[str]
-    index: dict[str, int]
     types: list[int]
     scores: list[float] | None
-    merges: list[tuple[str, str]] | None  # None for SentencePiece: derived from the scores
+    merges: Sequence[str] | None  # "left right", checked; None for SentencePiece: derived from the scores
     bos_id: int | None
     eos_id: int | None
     unk_id: int | None
@@ -349,7 +365,8 @@ def _read_vocabulary(meta: Mapping[str, Any]) -> _Vocabulary:
         add_space_prefix = _meta_flag(meta, "tokenizer.ggml.add_space_prefix", True)
     else:  # byte-level BPE, or gemma4's BPE on UTF-8 text with spaces as '▁': merges from the file
         add_space_prefix = False
-        merges = _merge_pairs(_strings(meta, "tokenizer.ggml.merges") or [], index)
+        merges = _strings(meta, "tokenizer.ggml.merges") or []
+        _merge_pairs(merges, index)  # the check; the tokenizer splits them again when it is built
 
     eot = {eos_id} if eos_id is not None else set()
     for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
@@ -360,7 +377,7 @@ def _read_vocabulary(meta: Mapping[str, Any]) -> _Vocabulary:
     # the family's default (when the file does not say) applies only to a vocabulary that has a BOS
     default_bos = (spec.add_bos if spec is not None else True) and bos_id is not None
     add_bos = _meta_flag(meta, "tokenizer.ggml.add_bos_token", default_bos)
-    return _Vocabulary(model=model, pre=pre, spec=spec, tokens=tokens, index=index, types=types, scores=scores,
+    return _Vocabulary(model=model, pre=pre, spec=spec, tokens=tokens, types=types, scores=scores,
                        merges=merges, bos_id=bos_id, eos_id=eos_id, unk_id=unk_id, eot_ids=frozenset(eot),
                        add_bos=add_bos, add_space_prefix=add_space_prefix,
                        chat_template=_meta_str(meta, "tokenizer.chat_template"))
@@ -411,12 +428,14 @@ class Tokenizer:
     @classmethod
     def from_vocabulary(cls, v: "_Vocabulary") -> "Tokenizer":
         """Build the tokenizer from a vocabulary `check_metadata` returned (already checked)."""
+        from tokenizers import AddedToken
+        index = {piece: i for i, piece in enumerate(v.tokens)}  # the pieces are unique: checked
+        merges = _merge_pairs(v.merges) if v.merges is not None else _spm_merges(index, v.scores)
         if v.spec is not None:
-            hf = cls._build_byte_level(v.index, v.merges, v.spec)
+            hf = cls._build_byte_level(index, merges, v.spec)
         else:
-            merges = v.merges if v.merges is not None else _spm_merges(v.index, v.scores)
             unk = v.tokens[v.unk_id] if v.unk_id is not None else None
-            hf = cls._build_spm(v.index, merges, unk, v.add_space_prefix)
+            hf = cls._build_spm(index, merges, unk, v.add_space_prefix)
         # Matched as a whole before BPE (on the raw text); control ones only with special=True.
         hf.add_tokens([AddedToken(v.tokens[i], special=(t == TOKEN_CONTROL), normalized=False)
                        for i, t in enumerate(v.types) if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED)])
@@ -426,6 +445,7 @@ class Tokenizer:
 
     @staticmethod
     def _build_byte_level(vocab: dict[str, int], merges: list[tuple[str, str]], spec: _Pre) -> _HFTokenizer:
+        from tokenizers import Tokenizer as _HFTokenizer, models, normalizers, pre_tokenizers
         hf = _HFTokenizer(models.BPE(vocab, merges, ignore_merges=spec.ignore_merges))
         if spec.nfc:
             hf.normalizer = normalizers.NFC()
@@ -435,6 +455,7 @@ class Tokenizer:
     @staticmethod
     def _build_spm(vocab: dict[str, int], merges: list[tuple[str, str]], unk_token: str | None,
                    add_space_prefix: bool) -> _HFTokenizer:
+        from tokenizers import Tokenizer as _HFTokenizer, models, normalizers
         bpe = models.BPE(vocab, merges, byte_fallback=True, fuse_unk=True, unk_token=unk_token)
         hf = _HFTokenizer(bpe)
         steps = [normalizers.Prepend(_SPM_SPACE)] if add_space_prefix else []
@@ -484,6 +505,7 @@ class Tokenizer:
             return self.encode(text, add_bos=False)
         with self._lock:
             if self._hf_inner is None:
+                from tokenizers import Tokenizer as _HFTokenizer, normalizers
                 self._hf_inner = _HFTokenizer.from_str(self._hf.to_str())
                 self._hf_inner.normalizer = normalizers.Replace(" ", _SPM_SPACE)
                 self._hf_inner.encode_special_tokens = True
@@ -538,6 +560,7 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Render `messages` with the model's chat template (ChatML when it has none); see
         `npllama.chat.format_chat`. `bos_token`/`eos_token` default to this vocabulary's."""
+        from .chat import format_chat
         kwargs.setdefault("bos_token", self._tokens[self.bos_id] if self.bos_id is not None else "")
         kwargs.setdefault("eos_token", self._tokens[self.eos_id] if self.eos_id is not None else "")
         return format_chat(self.chat_template, messages, add_generation_prompt=add_generation_prompt, **kwargs)
