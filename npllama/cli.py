@@ -6,6 +6,7 @@ Every expected failure (a bad flag, a missing file, a bad model, bad input) ends
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -257,3 +258,13 @@ def main(argv: list[str] | None = None) -> int:
     except (GGUFError, ModelFetchError, FileNotFoundError, ValueError, OSError) as e:
         print(f"npllama: error: {e}", file=sys.stderr)
         return 1
+
+
+def console() -> int:
+    """`npllama` as a program (its console script and `python -m npllama`): `main`, then the
+    heap frozen (gc.freeze), so that the interpreter's exit frees it without first searching
+    its ~100k objects (Numba's, mostly) for cycles: ~0.15 s of every command's wall time."""
+    code = main()
+    gc.freeze()
+    return code
+
