@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as QT
 
 from npllama.errors import GGUFError
 from npllama.arch import Rope
-from npllama.gguf.reader import GGUFFile, ModelConfig, TensorInfo
+from npllama.gguf.reader import GGUFFile, ModelConfig, StringArray, TensorInfo, read_metadata
 from tinygguf import tiny_vocab, write_tiny_llama
 
 N_VOCAB = len(tiny_vocab()[0])
@@ -125,6 +125,24 @@ def test_metadata_types(tiny_model_path):
     assert meta["tokenizer.ggml.merges"] == merges
     assert isinstance(meta["tokenizer.ggml.token_type"], np.ndarray)
     assert meta["tokenizer.ggml.token_type"].tolist() == types
+
+
+def test_string_arrays(tiny_model_path):
+    """Arrays of strings are StringArrays: decoded on access, equal to the file's lists, and
+    independent of the file's memory map (read_metadata closes it)."""
+    tokens, _, merges = tiny_vocab()
+    for meta in (GGUFFile(tiny_model_path).metadata, read_metadata(tiny_model_path)):
+        arr = meta["tokenizer.ggml.tokens"]
+        assert isinstance(arr, StringArray) and len(arr) == len(tokens)
+        assert list(arr) == tokens and arr == tokens and arr == tuple(tokens) and arr != tokens[:-1]
+        assert [arr[i] for i in range(-len(tokens), len(tokens))] == tokens + tokens
+        assert arr[1:7:2] == tokens[1:7:2] and arr[::-1] == tokens[::-1] and arr[5:2] == []
+        for i in (len(tokens), -len(tokens) - 1):
+            with pytest.raises(IndexError):
+                arr[i]
+        assert arr[np.int64(3)] == tokens[3] and tokens[3] in arr and arr.index(tokens[3]) == 3
+        assert meta["tokenizer.ggml.merges"] == merges and arr != meta["tokenizer.ggml.merges"]
+        assert f"{len(tokens)} strings" in repr(arr)
 
 
 def test_untied_output(tmp_path):

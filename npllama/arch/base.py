@@ -3,6 +3,7 @@ modules share: checked metadata access (`Meta`), the llama block's keys and tens
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import GGUFError
@@ -149,7 +150,8 @@ def llama_fields(m: Meta, *, neox: bool, dense: bool = True) -> dict:
     if "token_embd.weight" not in m.tensors:
         raise m.error("missing required tensor 'token_embd.weight'")
     tokens = m.metadata.get("tokenizer.ggml.tokens")
-    default_vocab = len(tokens) if isinstance(tokens, list) else m.tensors["token_embd.weight"].shape[0]
+    default_vocab = len(tokens) if isinstance(tokens, Sequence) and not isinstance(tokens, str) \
+        else m.tensors["token_embd.weight"].shape[0]
     rope_base = m.positive("rope.freq_base", 10000.0, float)
     rms_eps = m.positive("attention.layer_norm_rms_epsilon", kind=float)
     scaling_type = m.get("rope.scaling.type", str, None)

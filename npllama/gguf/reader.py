@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import math
 import mmap
+import operator
 import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +42,48 @@ _VERSIONS = (2, 3)
 _MAX_DIMS = 4
 _MIN_KV_BYTES = 8 + 4 + 1            # empty key, value type, one-byte value
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # empty name, n_dims, one dim, type, offset
+
+
+class StringArray(Sequence[str]):
+    """A metadata array of strings, each decoded when it is read: what the file holds is kept
+    as its bytes (checked to be UTF-8 when the file is opened), since as Python strings a
+    49k-token vocabulary and its merges would hold ~8 MiB for as long as the model is open.
+    Equal to a list or tuple of the same strings."""
+
+    __slots__ = ("_data", "_edges")
+
+    def __init__(self, data: bytes, edges: np.ndarray):
+        # data: the array as the file lays it out, each string after its 8-byte length;
+        # string i is data[edges[i] + 8:edges[i + 1]]
+        self._data, self._edges = data, edges
+
+    def __len__(self) -> int:
+        return len(self._edges) - 1
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = operator.index(i)
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"string #{i} of an array of {len(self)}")
+        i %= len(self)
+        return self._data[int(self._edges[i]) + 8:int(self._edges[i + 1])].decode("utf-8")
+
+    def __iter__(self):
+        data, edges = self._data, self._edges.tolist()
+        for start, end in zip(edges, edges[1:]):
+            yield data[start + 8:end].decode("utf-8")
+
+    def __eq__(self, other):
+        if isinstance(other, (StringArray, list, tuple)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        head = ", ".join(map(repr, self[:3]))
+        return f"StringArray([{head}{', ...' if len(self) > 3 else ''}], {len(self)} strings)"
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,7 +112,8 @@ class GGUFFile:
         path: the file path as a string.
         version: the GGUF format version (2 or 3).
         metadata: key -> value, in file order. Scalars are int, float or bool, strings are str,
-            arrays of strings (tokenizer.ggml.tokens, .merges) are list[str], and arrays of
+            arrays of strings (tokenizer.ggml.tokens, .merges) are `StringArray`s (read-only
+            sequences of str, equal to the lists of their strings), and arrays of
             numbers or bools (tokenizer.ggml.scores, .token_type) are 1-D numpy arrays (copies).
         tensors: name -> TensorInfo, in file order.
         config: the validated ModelConfig.
@@ -252,11 +297,12 @@ class _Parser:
         self.pos += count * dtype.itemsize
         return arr.astype(bool) if itype == VT.BOOL else arr
 
-    def string_array(self, count: int, key: str) -> list[str]:
-        """Read `count` strings; the hot loop of opening a model (its vocabulary and merges)."""
+    def string_array(self, count: int, key: str) -> StringArray:
+        """Read `count` strings, each checked to be UTF-8; the hot loop of opening a model (its
+        vocabulary and merges)."""
         self.need(count * 8, f"array of {count} strings of '{key}'")
         buf, size, pos, unpack = self.buf, self.size, self.pos, struct.Struct("<Q").unpack_from
-        out = []
+        first, edges = pos, [0]
         try:
             for _ in range(count):
                 if pos + 8 > size:
@@ -265,14 +311,15 @@ class _Parser:
                 pos = start + unpack(buf, pos)[0]
                 if pos > size:
                     break
-                out.append(buf[start:pos].decode("utf-8"))
+                buf[start:pos].decode("utf-8")
+                edges.append(pos - first)
         except UnicodeDecodeError:
-            raise GGUFError(f"{self.path}: string #{len(out)} of '{key}' is not valid UTF-8") from None
-        if len(out) < count:
-            raise GGUFError(f"{self.path}: file is truncated or corrupt: string #{len(out)} of '{key}' "
+            raise GGUFError(f"{self.path}: string #{len(edges) - 1} of '{key}' is not valid UTF-8") from None
+        if len(edges) <= count:
+            raise GGUFError(f"{self.path}: file is truncated or corrupt: string #{len(edges) - 1} of '{key}' "
                             f"runs past the end of the file")
         self.pos = pos
-        return out
+        return StringArray(buf[first:pos], np.array(edges, np.int64))
 
     def tensor_info(self, name: str) -> tuple[str, QT, tuple[int, ...], int]:
         """Read the rest of one tensor-table entry after its name."""
@@ -357,7 +404,7 @@ def _check_tokenizer(path: str, cfg: ModelConfig, metadata: dict) -> None:
     tokens = metadata.get("tokenizer.ggml.tokens")
     if tokens is None:
         return
-    if not isinstance(tokens, list):
+    if not isinstance(tokens, StringArray):
         raise GGUFError(f"{path}: tokenizer.ggml.tokens should be an array of strings")
     if len(tokens) > cfg.n_vocab:
         raise GGUFError(f"{path}: the tokenizer has {len(tokens)} tokens but the model only {cfg.n_vocab} (n_vocab)")
@@ -366,7 +413,7 @@ def _check_tokenizer(path: str, cfg: ModelConfig, metadata: dict) -> None:
         if arr is not None and not (isinstance(arr, np.ndarray) and arr.shape == (len(tokens),)):
             raise GGUFError(f"{path}: {key} should be a numeric array of {len(tokens)} entries, one per token")
     merges = metadata.get("tokenizer.ggml.merges")
-    if merges is not None and not isinstance(merges, list):
+    if merges is not None and not isinstance(merges, StringArray):
         raise GGUFError(f"{path}: tokenizer.ggml.merges should be an array of strings")
     for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
         token_id = _key(path, metadata, key, int, None)

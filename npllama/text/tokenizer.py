@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import GGUFError
+from ..gguf.reader import StringArray
 
 # The `tokenizers` library and the chat templates' Jinja2 (.chat) are imported when a
 # tokenizer is first built and a template first rendered, not with npllama: a process that
@@ -178,11 +179,13 @@ def _bad(key: str, what: str) -> GGUFError:
     return GGUFError(f"tokenizer metadata {key}: {what}; {_FIX}")
 
 
-def _strings(meta: Mapping[str, Any], key: str) -> list[str] | None:
-    """A metadata array of strings (None when absent); GGUFError for anything else."""
+def _strings(meta: Mapping[str, Any], key: str) -> Sequence[str] | None:
+    """A metadata array of strings (None when absent); GGUFError for anything else. A file's own
+    array (StringArray: UTF-8 text, checked when the file was read) is returned as it is, so a
+    model holds no copy of its vocabulary as Python strings until its tokenizer is built."""
     value = meta.get(key)
-    if value is None:
-        return None
+    if value is None or isinstance(value, StringArray):
+        return value
     if not isinstance(value, (list, tuple)):
         raise _bad(key, f"should be an array of strings, not {type(value).__name__}")
     for i, text in enumerate(value):
