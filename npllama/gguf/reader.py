@@ -70,9 +70,8 @@ class StringArray(Sequence[str]):
         return self._data[int(self._edges[i]) + 8:int(self._edges[i + 1])].decode("utf-8")
 
     def __iter__(self):
-        data, edges = self._data, self._edges.tolist()
-        for start, end in zip(edges, edges[1:]):
-            yield data[start + 8:end].decode("utf-8")
+        starts, ends = (self._edges[:-1] + 8).tolist(), self._edges[1:].tolist()
+        return map(bytes.decode, map(self._data.__getitem__, map(slice, starts, ends)))  # no Python frame a string
 
     def __eq__(self, other):
         if isinstance(other, (StringArray, list, tuple)):

@@ -225,21 +225,23 @@ def _vocab_index(tokens: Sequence[str]) -> dict[str, int]:
 
 
 def _merge_pairs(merges: Sequence[str], vocab: Mapping[str, int] | None = None) -> list[tuple[str, str]]:
-    """The (left, right) pairs of byte-level BPE merges; each checked against `vocab` when given.
+    """The (left, right) pairs of byte-level BPE merges, each checked against `vocab` when given
+    (without it, the merges must have been checked with it before).
 
     A merge is ``"left right"``, split at its first space after the first character (as llama.cpp
     does); both halves and their concatenation must be tokens."""
+    if vocab is None:
+        return [(merge[:cut], merge[cut + 1:]) for merge in merges for cut in (merge.find(" ", 1),)]
     pairs = []
     for i, merge in enumerate(merges):
         cut = merge.find(" ", 1)
         if cut < 0:
             raise _bad("tokenizer.ggml.merges", f"merge #{i} {merge!r} has no space between its two parts")
         left, right = merge[:cut], merge[cut + 1:]
-        if vocab is not None:
-            for part in (left, right, left + right):
-                if part not in vocab:
-                    raise _bad("tokenizer.ggml.merges",
-                               f"merge #{i} {merge!r} names {part!r}, which is not in tokenizer.ggml.tokens")
+        for part in (left, right, left + right):
+            if part not in vocab:
+                raise _bad("tokenizer.ggml.merges",
+                           f"merge #{i} {merge!r} names {part!r}, which is not in tokenizer.ggml.tokens")
         pairs.append((left, right))
     return pairs
 
@@ -406,7 +408,7 @@ class Tokenizer:
         self.add_bos = add_bos
         self.add_space_prefix = add_space_prefix
         self.chat_template = chat_template
-        self._tokens = list(tokens)
+        self._tokens = tokens if isinstance(tokens, list) else list(tokens)
         self._types = list(token_types)
         self._hf = hf
         self._hf_inner: _HFTokenizer | None = None  # without the space prefix: see encode_inner
@@ -432,17 +434,18 @@ class Tokenizer:
     def from_vocabulary(cls, v: "_Vocabulary") -> "Tokenizer":
         """Build the tokenizer from a vocabulary `check_metadata` returned (already checked)."""
         from tokenizers import AddedToken
-        index = {piece: i for i, piece in enumerate(v.tokens)}  # the pieces are unique: checked
+        tokens = list(v.tokens)  # decoded once (a file's StringArray decodes on each read)
+        index = dict(zip(tokens, range(len(tokens))))  # the pieces are unique: checked
         merges = _merge_pairs(v.merges) if v.merges is not None else _spm_merges(index, v.scores)
         if v.spec is not None:
             hf = cls._build_byte_level(index, merges, v.spec)
         else:
-            unk = v.tokens[v.unk_id] if v.unk_id is not None else None
+            unk = tokens[v.unk_id] if v.unk_id is not None else None
             hf = cls._build_spm(index, merges, unk, v.add_space_prefix)
         # Matched as a whole before BPE (on the raw text); control ones only with special=True.
-        hf.add_tokens([AddedToken(v.tokens[i], special=(t == TOKEN_CONTROL), normalized=False)
+        hf.add_tokens([AddedToken(tokens[i], special=(t == TOKEN_CONTROL), normalized=False)
                        for i, t in enumerate(v.types) if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED)])
-        return cls(model=v.model, pre=v.pre, tokens=v.tokens, token_types=v.types, hf=hf, bos_id=v.bos_id,
+        return cls(model=v.model, pre=v.pre, tokens=tokens, token_types=v.types, hf=hf, bos_id=v.bos_id,
                    eos_id=v.eos_id, eot_ids=v.eot_ids, add_bos=v.add_bos, add_space_prefix=v.add_space_prefix,
                    chat_template=v.chat_template)
 
