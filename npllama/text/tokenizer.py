@@ -303,7 +303,7 @@ class _Vocabulary:
     model: str
     pre: str | None
     spec: _Pre | None  # byte-level BPE ("gpt2") only
-    tokens: list[str]
+    tokens: Sequence[str]  # the file's StringArray, or a list
     types: list[int]
     scores: list[float] | None
     merges: Sequence[str] | None  # "left right", checked; None for SentencePiece: derived from the scores
