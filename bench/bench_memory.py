@@ -41,7 +41,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--model")
-    ap.add_argument("--kv-dtype", default="float32", choices=["float32", "float16"], help="KV cache storage")
+    ap.add_argument("--kv-dtype", choices=["float32", "float16"],
+                    help="KV cache storage (default: the mode's, float16 with --activations int8, else float32)")
     ap.add_argument("--activations", default="f32", choices=["f32", "int8"], help="decode activations")
     args = ap.parse_args()
     import npllama
