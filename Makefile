@@ -1,4 +1,5 @@
-# `make demo` runs the default model; `make test` runs the whole test suite.
+# `make demo` runs the default model; `make test` runs the whole test suite (then the CUDA
+# backend's tests in Numba's CUDA simulator, a process of their own).
 # Both create .venv and install the project with its test extras on first use.
 PY ?= python3
 VENV ?= .venv
@@ -10,6 +11,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest
+	NUMBA_ENABLE_CUDASIM=1 $(VENV)/bin/python -m pytest tests/cuda
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/python bench/bench_compare.py

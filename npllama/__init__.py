@@ -8,8 +8,8 @@ from .cache.kvcache import KVCache
 from .cache.kvpool import KVPool, PoolExhaustedError, PoolSeq
 from .engine.batch import forward_batch
 from .engine.session import Session
-from .errors import (BadRowError, ChatTemplateError, ContextOverflowError, GGUFError, MemoryLimitError,
-                     ModelFetchError, PositionError)
+from .errors import (BadRowError, ChatTemplateError, ContextOverflowError, DeviceError, GGUFError,
+                     MemoryLimitError, ModelFetchError, PositionError)
 from .generation.beam import beam_search
 from .generation.generate import Completion, Token
 from .generation.sampling import SamplingParams, make_sampler
@@ -21,7 +21,8 @@ from .model import Model, load
 from .predictor import BatchPredictor
 
 __all__ = [
-    "BadRowError", "BatchPredictor", "ChatTemplateError", "Completion", "ContextOverflowError", "GGUFError",
+    "BadRowError", "BatchPredictor", "ChatTemplateError", "Completion", "ContextOverflowError", "DeviceError",
+    "GGUFError",
     "GGUFFile", "KVCache", "KVPool", "MemoryLimitError", "Model", "ModelConfig", "ModelFetchError",
     "PoolExhaustedError", "PoolSeq", "PositionError", "SamplingParams", "Scheduler", "Session", "Token",
     "beam_search", "complete_many", "dequantize", "forward_batch", "generate_many", "load", "make_sampler",

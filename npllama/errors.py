@@ -18,6 +18,11 @@ class ModelFetchError(RuntimeError):
     """The default model could not be fetched or verified."""
 
 
+class DeviceError(RuntimeError):
+    """device="cuda" was asked for where there is no usable CUDA device, driver or CuPy; the
+    message says which, and what to install or use instead."""
+
+
 class ChatTemplateError(ValueError):
     """A chat template failed, or went past one of the bounds on what a template may build
     (output size, string and list sizes, time); the message names the template and the bound."""

@@ -33,7 +33,7 @@ class Model(Transformer):
 
 
 def load(path: str | os.PathLike | None = None, *, threads: int | None = None, activations: str = "f32",
-         kv_dtype=None) -> Model:
+         kv_dtype=None, device: str = "cpu") -> Model:
     """Load a GGUF model: `path`, else $NPLLAMA_MODEL, else the default model (fetched once).
 
     `activations="int8"` quantizes decode activations to int8 blocks for integer dot products
@@ -42,6 +42,15 @@ def load(path: str | os.PathLike | None = None, *, threads: int | None = None, a
     both modes. `kv_dtype` is the KV cache's storage, float32 or float16 (half the memory and
     half the bytes attention reads, keys and values rounded to float16); by default float16
     with int8 activations, as llama.cpp, and float32 otherwise.
+
+    `device="cuda"` computes on the GPU (npllama.backends.cuda; `pip install 'npllama[cuda]'`)
+    with the same API, logits coming back as NumPy arrays; DeviceError (a RuntimeError) where
+    there is no usable CUDA device. With NUMBA_ENABLE_CUDASIM=1 it runs in Numba's simulator.
     """
     from .gguf.hub import resolve_model
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda":
+        from .backends import cuda
+        return cuda.load(resolve_model(path), threads=threads, activations=activations, kv_dtype=kv_dtype)
     return Model(resolve_model(path), threads=threads, activations=activations, kv_dtype=kv_dtype)

@@ -1,8 +1,14 @@
+import os
+
 import numba
 import pytest
 
 from tinygguf import write_tiny_llama
 from require import unavailable
+
+# The CUDA backend's simulator tests (tests/cuda) run in a pytest process of their own with
+# NUMBA_ENABLE_CUDASIM=1, which Numba reads when it is imported (`make test` runs both).
+collect_ignore = [] if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else ["cuda"]
 
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])

@@ -41,6 +41,10 @@ class Ops:
     def rope(self, x, positions, cos, sin):
         _rope(x, positions, cos, sin, self.cfg.rope_neox)
 
+    def add(self, x, b):
+        """x += b in place (a bias, broadcast over rows)."""
+        x += b
+
 
 def embed(model, ids: np.ndarray) -> np.ndarray:
     """The residual stream's start: token embeddings (S, n_embd), scaled as the architecture says."""
@@ -60,9 +64,9 @@ def run_layers(model, x: np.ndarray, positions: np.ndarray, ops: Ops, end: int) 
         h = ops.norm(x, L.attn_norm)
         q, k, v = ops.qkv(L, h)  # (S, H*D), (S, KVH*D) x 2
         if L.bq is not None:
-            q += L.bq
-            k += L.bk
-            v += L.bv
+            ops.add(q, L.bq)
+            ops.add(k, L.bk)
+            ops.add(v, L.bv)
         q, k, v = q.reshape(S, H, D), k.reshape(S, KVH, D), v.reshape(S, KVH, D)
         if cfg.qk_norm:
             q, k = ops.norm(q, L.q_norm), ops.norm(k, L.k_norm)

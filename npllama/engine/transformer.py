@@ -59,6 +59,8 @@ class Transformer:
     A single Session must not be used from two threads at the same time.
     """
 
+    device = "cpu"  # where the forward pass runs (npllama.backends.cuda's models say "cuda")
+
     def __init__(self, path: str | os.PathLike, *, threads: int | None = None, activations: str = "f32",
                  kv_dtype=None):
         if activations not in ("f32", "int8"):

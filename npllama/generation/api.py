@@ -187,9 +187,10 @@ def generate_batch(model, prompts: Sequence, *, progress: bool | None = None, **
     Prompts run together with continuous batching (`npllama.scheduler.generate_many`: new prompts
     join as others finish, shared prefixes are computed once); with greedy sampling each result
     equals running that prompt alone. The batched kernels compute in float32, so a model loaded
-    with activations="int8" runs its prompts one by one instead, to keep that equality.
+    with activations="int8" runs its prompts one by one instead, to keep that equality; so does
+    a model on a CUDA device (the batched pass runs on the CPU).
     """
-    if model.activations == "f32":
+    if model.activations == "f32" and model.device == "cpu":
         from .scheduler import generate_many
         return generate_many(model, prompts, progress=progress, **options)
     results = []

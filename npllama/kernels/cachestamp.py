@@ -20,9 +20,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent  # the npllama package
 
 def package_stamp(root: pathlib.Path = ROOT) -> str:
     """The sha256 of the .py files under `root` that import Numba, in path order (names and
-    contents): the only files whose functions a compiled kernel can call or read."""
+    contents): the only files whose functions a compiled kernel can call or read. The device
+    backends (`backends/`: CUDA kernels, which no CPU kernel calls and Numba does not cache)
+    are left out, so that an edit there recompiles nothing."""
     h = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).parts[0] == "backends":
+            continue
         src = path.read_bytes()
         if b"from numba" in src or b"import numba" in src:
             h.update(str(path.relative_to(root)).encode() + b"\0" + src + b"\0")

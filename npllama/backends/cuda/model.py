@@ -1,0 +1,194 @@
+"""A model computed on a CUDA device (or in Numba's CUDA simulator): the CPU engine's
+`Transformer`, with the same architecture description (`engine/block.run_layers`) executed by
+`DeviceOps` on device arrays, and a `DeviceKVCache`. Everything above the forward pass
+(sessions, generation, chat, scoring, embeddings) is the CPU engine's own code.
+
+Weights are uploaded once, at load, in a layout the kernels read (`upload`): Q8_0, Q4_0 and
+Q4_1 as float32 block scales (and Q4_1's minimums) beside their quants, exactly as stored;
+every other type dequantized on the host (exactly, by the CPU kernels) to float32 rows. A
+decode step's products are the fused mat-vec kernel on those blocks; a prompt's dequantize
+each weight to float32 on the device and multiply with the array library (cuBLAS on a GPU).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from ...arch.weights import QWeight
+from ...cache.kvcache import KVCache
+from ...engine import block
+from ...engine.transformer import Transformer
+from ...model import Model
+from . import kernels as K
+
+_ACTS = {"silu": K.ACT_SILU, "gelu_tanh": K.ACT_GELU_TANH}
+
+
+@dataclass(frozen=True)
+class DeviceWeight:
+    """A weight on the device: its kernel kind, (scales, quants) and shape."""
+    kind: int
+    scales: object  # float32 (rows, blocks, 1 or 2), or (rows, cols, 1) for float rows
+    quants: object  # int8 / uint8 (rows, blocks, 32 or 16); a placeholder for float rows
+    rows: int
+    cols: int
+
+
+def upload(w: QWeight, xp) -> DeviceWeight:
+    """`w` in the kernels' layout, on the device (see the module docstring)."""
+    rows, nblk = w.rows, w.cols // 32
+    if w.qtype == QT.Q8_0:
+        raw = w.data.reshape(rows, nblk, 34)
+        scales = raw[:, :, :2].copy().view(np.float16).astype(np.float32)
+        quants = raw[:, :, 2:].view(np.int8)
+        kind = K.Q8_0
+    elif w.qtype in (QT.Q4_0, QT.Q4_1):
+        head = 2 if w.qtype == QT.Q4_0 else 4
+        raw = w.data.reshape(rows, nblk, head + 16)
+        scales = raw[:, :, :head].copy().view(np.float16).astype(np.float32)
+        quants = raw[:, :, head:]
+        kind = K.Q4_0 if w.qtype == QT.Q4_0 else K.Q4_1
+    else:  # float rows, and the types without a device kernel: dequantized here, exactly
+        scales = w.rows_of(np.arange(rows)).reshape(rows, w.cols, 1)
+        quants = np.zeros((1, 1, 1), np.uint8)
+        kind = K.F32
+    return DeviceWeight(kind, xp.asarray(np.ascontiguousarray(scales)), xp.asarray(np.ascontiguousarray(quants)),
+                        rows, w.cols)
+
+
+class DeviceKVCache(KVCache):
+    """`KVCache` with its buffer on the device: the same interleaved layout, preallocation,
+    doubling and capacity-0 rules; `append` takes device arrays."""
+
+    def __init__(self, n_layers, n_kv_heads, head_dim, capacity=0, dtype=np.float32, *, xp):
+        self._xp = xp
+        super().__init__(n_layers, n_kv_heads, head_dim, capacity, dtype)
+
+    def _alloc(self, capacity: int):
+        return self._xp.empty((self.n_layers, capacity, self.n_kv_heads, 2, self.head_dim), dtype=self.dtype)
+
+    def append(self, layer: int, k, v) -> int:
+        layer = self._check_layer(layer)
+        want = (k.shape[0], self.n_kv_heads, self.head_dim)
+        if k.shape != want or v.shape != want:
+            raise ValueError(f"DeviceKVCache.append: k {k.shape} and v {v.shape} must both be {want}")
+        pos = self._lens[layer]
+        end = pos + k.shape[0]
+        self.ensure_capacity(end)
+        self._buf[layer, pos:end, :, 0, :] = k
+        self._buf[layer, pos:end, :, 1, :] = v
+        self._lens[layer] = end
+        return end
+
+    def fork(self) -> "DeviceKVCache":
+        other = DeviceKVCache(self.n_layers, self.n_kv_heads, self.head_dim, self._capacity, self.dtype, xp=self._xp)
+        for layer, filled in enumerate(self._lens):
+            other._buf[layer, :filled] = self._buf[layer, :filled]
+        other._lens = list(self._lens)
+        return other
+
+
+class DeviceOps(block.Ops):
+    """`block.Ops` on device arrays: products, norms, GLU, RoPE and attention by the kernels."""
+
+    def __init__(self, model: "CudaModel", cache: DeviceKVCache, positions):
+        super().__init__(model.config, self._product, self._attention)
+        self.model, self.xp, self.cache = model, model.xp, cache
+        self.positions = positions  # on the device
+        self.offset = cache.length
+
+    def _product(self, w: QWeight, h):
+        """h (S, cols) @ W.T on the device."""
+        d = self.model.device_weights[w.name]
+        xp = self.xp
+        if h.shape[0] == 1:
+            out = xp.empty((1, d.rows), np.float32)
+            K.matvec(d.kind, d.scales, d.quants, xp.ascontiguousarray(h[0]), out[0], d.rows, d.cols)
+            return out
+        full = K.dequantize(d.kind, d.scales, d.quants, xp.empty((d.rows, d.cols), np.float32), d.rows, d.cols)
+        return xp.ascontiguousarray(h) @ full.T
+
+    def norm(self, x, w):
+        xp = self.xp
+        shape = x.shape
+        flat = xp.ascontiguousarray(x).reshape(-1, shape[-1])
+        return K.rmsnorm(flat, self.model.device_vector(w), self.cfg.rms_eps, xp.empty_like(flat)).reshape(shape)
+
+    def glu(self, gate, up, h):
+        g, u = self._product(gate, h), self._product(up, h)
+        return K.glu(g, u, self.xp.empty_like(g), _ACTS[self.cfg.act])
+
+    def rope(self, x, positions, cos, sin):
+        K.rope(x, self.positions, self.model.device_vector(cos), self.model.device_vector(sin), self.cfg.rope_neox)
+
+    def _attention(self, li, q, k, v, window):
+        xp = self.xp
+        self.cache.append(li, k, v)
+        q = xp.ascontiguousarray(q)
+        return K.attention(q, self.cache.buffer(li), self.cache.layer_length(li), self.offset, int(window),
+                           self.cfg.attn_scale, xp.empty_like(q), xp)
+
+
+class CudaModel(Model):
+    """`npllama.Model` with its forward pass on the device (made by `backends.cuda.load`)."""
+
+    device = "cuda"
+
+    def __init__(self, path, *, xp, **options):
+        super().__init__(path, **options)
+        cfg = self.config
+        if cfg.n_expert:
+            raise ValueError(f"{self.path}: device='cuda' does not run mixtures of experts yet; load it with "
+                             f"device='cpu'")
+        if self.activations != "f32":
+            raise ValueError("device='cuda' computes in float32: load it with activations='f32'")
+        self.xp = xp
+        weights = [self.output] + [w for L in self.layers for w in (L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down)]
+        self.device_weights = {w.name: upload(w, xp) for w in weights}
+        self._vectors: dict[tuple, tuple] = {}
+
+    def device_vector(self, a: np.ndarray):
+        """A host array (a norm's weights, a RoPE table or a view of one) on the device, uploaded
+        once: keyed by its memory, which the entry keeps alive."""
+        key = (a.__array_interface__["data"][0], a.shape, a.strides, a.dtype.str)
+        got = self._vectors.get(key)
+        if got is None:
+            got = self._vectors[key] = (a, self.xp.asarray(np.ascontiguousarray(a, dtype=np.float32)))
+        return got[1]
+
+    def new_cache(self, capacity: int = 0) -> DeviceKVCache:
+        cfg = self.config
+        return DeviceKVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, capacity, self.kv_dtype, xp=self.xp)
+
+    def check_cache(self, cache) -> None:
+        """ValueError unless `cache` is a device cache shaped for this model."""
+        if not isinstance(cache, DeviceKVCache):
+            raise ValueError("a device='cuda' model needs its own cache: make one with model.new_cache()")
+        Transformer.check_cache(self, cache)
+
+    def _run(self, ids, cache, all_logits, output, threads):
+        xp, cfg = self.xp, self.config
+        pos = cache.length
+        self.ropes.check_range(pos, pos + len(ids))
+        cache.ensure_capacity(pos + len(ids))
+        positions = np.arange(pos, pos + len(ids), dtype=np.int64)
+        try:
+            ops = DeviceOps(self, cache, xp.asarray(positions))
+            x = block.run_layers(self, xp.asarray(block.embed(self, ids)), positions, ops, pos + len(ids))
+            if output == "hidden":
+                return _host(ops.norm(x, self.output_norm))
+            if not all_logits:
+                x = x[-1:]
+            logits = _host(ops.product(self.output, ops.norm(x, self.output_norm)))
+        except BaseException:
+            cache.truncate(pos)
+            raise
+        block.softcap(logits, cfg.softcap)
+        return logits if all_logits else logits[0]
+
+
+def _host(a) -> np.ndarray:
+    """A device array as a NumPy array (CuPy's .get(); the simulator's arrays are NumPy's)."""
+    return a.get() if hasattr(a, "get") else np.asarray(a)

@@ -1,0 +1,106 @@
+"""The CUDA backend's kernels in Numba's CUDA simulator, each against a NumPy reference
+(odd shapes, a length of 1, non-contiguous input). `make test` runs this directory in its own
+pytest process with NUMBA_ENABLE_CUDASIM=1 (tests/conftest.py skips it otherwise)."""
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+from gguf import quants as gq
+
+from npllama.arch.weights import QWeight
+from npllama.backends.cuda import kernels as K
+from npllama.backends.cuda import simulated
+from npllama.backends.cuda.model import upload
+
+assert simulated(), "run with NUMBA_ENABLE_CUDASIM=1"
+RNG = np.random.default_rng(0)
+
+
+def weight(qtype, rows, cols):
+    """A random weight of `qtype`, and its exact float64 values (gguf's dequantize)."""
+    w = RNG.standard_normal((rows, cols)).astype(np.float32)
+    if qtype == QT.F32:
+        return QWeight("w", w.view(np.uint8).reshape(rows, -1), qtype, rows, cols), w.astype(np.float64)
+    if qtype == QT.F16:
+        h = w.astype(np.float16)
+        return QWeight("w", h.view(np.uint8).reshape(rows, -1), qtype, rows, cols), h.astype(np.float64)
+    raw = gq.quantize(w, qtype)
+    return QWeight("w", raw, qtype, rows, cols), gq.dequantize(raw, qtype).astype(np.float64)
+
+
+# Q5_0 stands for the types without a device kernel: dequantized on the host at upload
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.F16, QT.F32, QT.Q5_0])
+@pytest.mark.parametrize("rows,cols", [(1, 32), (7, 96)])
+def test_matvec_and_dequantize(qtype, rows, cols):
+    w, ref = weight(qtype, rows, cols)
+    d = upload(w, np)
+    x = RNG.standard_normal(2 * cols).astype(np.float32)[::2]  # non-contiguous
+    out = K.matvec(d.kind, d.scales, d.quants, x, np.empty(rows, np.float32), rows, cols)
+    np.testing.assert_allclose(out, ref @ x.astype(np.float64), rtol=1e-5, atol=1e-4)
+    full = K.dequantize(d.kind, d.scales, d.quants, np.empty((rows, cols), np.float32), rows, cols)
+    np.testing.assert_array_equal(full, ref.astype(np.float32))
+
+
+@pytest.mark.parametrize("S,n", [(1, 1), (3, 37), (2, 64)])
+def test_rmsnorm(S, n):
+    x = RNG.standard_normal((S, 2 * n)).astype(np.float32)[:, ::2]
+    w = RNG.standard_normal(n).astype(np.float32)
+    out = K.rmsnorm(x, w, 1e-5, np.empty((S, n), np.float32))
+    x64 = x.astype(np.float64)
+    ref = x64 / np.sqrt((x64 * x64).mean(axis=1, keepdims=True) + 1e-5) * w
+    np.testing.assert_allclose(out, ref, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("S,H,D", [(1, 1, 2), (3, 2, 8)])
+def test_rope(neox, S, H, D):
+    half = D // 2
+    angles = np.arange(16)[:, None] * 0.3 / (1 + np.arange(half))[None, :]
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    x = RNG.standard_normal((S, H, D)).astype(np.float32)
+    positions = np.array([5, 9, 15][:S], np.int64)
+    out = K.rope(x.copy(), positions, cos, sin, neox)
+    a, b = (x[..., :half], x[..., half:]) if neox else (x[..., 0::2], x[..., 1::2])
+    c, s = cos[positions][:, None, :], sin[positions][:, None, :]
+    ra, rb = a * c - b * s, a * s + b * c
+    ref = np.concatenate([ra, rb], -1) if neox else np.stack([ra, rb], -1).reshape(S, H, D)
+    np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("act", [K.ACT_SILU, K.ACT_GELU_TANH])
+@pytest.mark.parametrize("n", [1, 45])
+def test_glu(act, n):
+    g = RNG.standard_normal(n).astype(np.float32) * 3
+    u = RNG.standard_normal(n).astype(np.float32)
+    out = K.glu(g, u, np.empty(n, np.float32), act)
+    g64 = g.astype(np.float64)
+    z = np.sqrt(2 / np.pi) * 2 * (g64 + 0.044715 * g64 ** 3) if act == K.ACT_GELU_TANH else g64
+    np.testing.assert_allclose(out, g64 / (1 + np.exp(-z)) * u, rtol=1e-5, atol=1e-6)
+
+
+def attention_ref(q, kv, kv_len, offset, window, scale):
+    S, H, D = q.shape
+    group = H // kv.shape[1]
+    out = np.zeros((S, H, D))
+    for s in range(S):
+        p = offset + s
+        keys = [t for t in range(min(p + 1, kv_len)) if window == 0 or t > p - window]
+        for h in range(H):
+            if not keys:
+                continue
+            k = kv[keys, h // group, 0].astype(np.float64)
+            v = kv[keys, h // group, 1].astype(np.float64)
+            sc = k @ q[s, h].astype(np.float64) * scale
+            p_ = np.exp(sc - sc.max())
+            out[s, h] = p_ @ v / p_.sum()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("S,kv_len,window", [(1, 1, 0), (1, 70, 0), (4, 9, 0), (3, 70, 5)])
+def test_attention(dtype, S, kv_len, window):
+    H, KVH, D = 4, 2, 8
+    kv = RNG.standard_normal((kv_len + 3, KVH, 2, D)).astype(dtype)
+    q = RNG.standard_normal((S, H, 2 * D)).astype(np.float32)[:, :, ::2]  # non-contiguous
+    offset = kv_len - S
+    out = K.attention(q, kv, kv_len, offset, window, 0.35, np.empty((S, H, D), np.float32), np)
+    np.testing.assert_allclose(out, attention_ref(q, kv, kv_len, offset, window, 0.35), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,47 @@
+"""A whole tiny model on the CUDA backend in Numba's simulator against the CPU engine: logits
+equal to float32 rounding for a prompt and decode steps, with fork, truncate and reset, and
+the text API on top (NUMBA_ENABLE_CUDASIM=1; see test_sim_kernels.py)."""
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+import npllama
+from npllama.backends.cuda.model import CudaModel, DeviceKVCache
+from tinygguf import write_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """The tiny model in Q4_1 (every kernel kind is checked by test_sim_kernels.py) on both."""
+    path = write_tiny_llama(tmp_path_factory.mktemp("cuda") / "tiny.gguf", qtype=QT.Q4_1, n_ff=64)
+    return npllama.load(path), npllama.load(path, device="cuda")
+
+
+def close(a, b):
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=2e-5 * max(1.0, float(np.abs(a).max())))
+
+
+def test_session_matches_cpu(models):
+    cpu, gpu = models
+    assert isinstance(gpu, CudaModel) and gpu.device == "cuda" and cpu.device == "cpu"
+    s1, s2 = cpu.session(), gpu.session()
+    assert isinstance(s2.cache, DeviceKVCache) and s2.cache.capacity == 0
+    close(s1.feed([5, 70, 80, 90, 33], all_logits=True), s2.feed([5, 70, 80, 90, 33], all_logits=True))
+    close(s1.feed([7]), s2.feed([7]))
+    f1, f2 = s1.fork(), s2.fork()
+    assert not np.shares_memory(f2.cache.buffers(), s2.cache.buffers())
+    s1.truncate(3), s2.truncate(3)
+    close(s1.feed([11]), s2.feed([11]))  # after truncate: position 3 again
+    close(f1.feed([12]), f2.feed([12]))  # the fork kept all 6 positions
+    assert (s2.pos, f2.pos) == (4, 7)
+    s2.reset()
+    s1.reset()
+    close(s1.feed([9]), s2.feed([9]))
+
+
+def test_text_api(models):
+    cpu, gpu = models
+    assert gpu.generate("hello", max_tokens=2, temperature=0) == cpu.generate("hello", max_tokens=2, temperature=0)
+    close(cpu.embed("hi"), gpu.embed("hi"))
+    with pytest.raises(ValueError, match="own cache"):
+        gpu.forward([1], 0, cpu.new_cache())

@@ -1,0 +1,72 @@
+"""The CUDA backend without a GPU: every kernel compiles to PTX for compute capability 9.0
+(H100/H200) with explicit signatures and no float64 instruction; `load(device="cuda")` raises
+DeviceError where there is no usable device; the CPU engine never imports the backend. Its
+kernels and a whole model run in Numba's simulator in tests/cuda (a process of their own)."""
+import subprocess
+import sys
+import types
+
+import pytest
+
+cuda = pytest.importorskip("numba.cuda", reason="numba-cuda is installed by the test extra")
+from numba import boolean, float32, int8, int64, uint8  # noqa: E402
+from numba.core.types import float16  # noqa: E402
+
+import npllama  # noqa: E402
+from npllama.backends.cuda import kernels as K  # noqa: E402
+
+f32_1, f32_2, f32_3 = float32[::1], float32[:, ::1], float32[:, :, ::1]
+SIGNATURES = {
+    "_matvec_kernel": [(int64, f32_3, q[:, :, ::1], f32_1, f32_1, int64, int64) for q in (int8, uint8)],
+    "_dequantize_kernel": [(int64, f32_3, q[:, :, ::1], f32_2, int64, int64) for q in (int8, uint8)],
+    "_rmsnorm_kernel": [(f32_2, f32_1, float32, f32_2, int64)],
+    "_rope_kernel": [(f32_3, int64[::1], f32_2, f32_2, boolean, int64)],
+    "_glu_kernel": [(f32_1, f32_1, f32_1, int64, int64)],
+    "_attention_split_kernel": [(f32_3, kv[:, :, :, ::1], int64, int64, int64, float32, int64, f32_2, f32_2, f32_3)
+                                for kv in (float32, float16)],
+    "_attention_merge_kernel": [(f32_2, f32_2, f32_3, f32_3, int64)],
+}
+
+
+def test_every_kernel_is_checked():
+    kernels = {name for name, obj in vars(K).items() if name.endswith("_kernel")}
+    assert kernels == set(SIGNATURES)
+
+
+@pytest.mark.parametrize("name", sorted(SIGNATURES))
+def test_kernel_compiles_to_ptx_without_float64(name):
+    assert not K.SIMULATED and K.LANES == 32  # the warp-shuffle reductions are the ones compiled
+    for sig in SIGNATURES[name]:
+        ptx, _ = cuda.compile_ptx(getattr(K, name).py_func, sig, cc=(9, 0))
+        assert ".target sm_90" in ptx
+        body = [line for line in ptx.splitlines() if not line.lstrip().startswith("//")]
+        assert not [line for line in body if ".f64" in line], f"{name}{sig}: float64 in the PTX"
+        if name in ("_matvec_kernel", "_rmsnorm_kernel", "_attention_split_kernel"):
+            assert "shfl.sync.bfly" in ptx  # a GPU reduces across the warp by shuffles
+
+
+def test_no_device_is_a_clear_error(monkeypatch, tiny_model_path):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # CuPy not installed
+    with pytest.raises(npllama.DeviceError, match="needs CuPy"):
+        npllama.load(tiny_model_path, device="cuda")
+
+    def no_driver():
+        raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is insufficient")
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=no_driver)))
+    monkeypatch.setitem(sys.modules, "cupy", fake)  # CuPy imports, but there is no driver
+    with pytest.raises(npllama.DeviceError, match="no CUDA device or driver was found"):
+        npllama.load(tiny_model_path, device="cuda")
+    fake.cuda.runtime.getDeviceCount = lambda: 0
+    with pytest.raises(RuntimeError, match="no CUDA device was found"):
+        npllama.load(tiny_model_path, device="cuda")
+    with pytest.raises(ValueError, match="device must be"):
+        npllama.load(tiny_model_path, device="gpu")
+
+
+def test_cpu_engine_does_not_import_the_backend(tiny_model_path):
+    code = ("import sys, npllama; m = npllama.load(sys.argv[1]); m.generate('hi', max_tokens=2); "
+            "print(sorted(n for n in sys.modules if n.startswith(('cupy', 'numba.cuda', 'npllama.backends'))))")
+    out = subprocess.run([sys.executable, "-c", code, str(tiny_model_path)], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
