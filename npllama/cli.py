@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from .errors import GGUFError, ModelFetchError
+from .errors import DeviceError, GGUFError, ModelFetchError
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -36,9 +36,15 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="random seed (the same seed gives the same text)")
 
 
+def _add_device_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the model runs (default cpu; cuda needs `pip install 'npllama[cuda]'` and a GPU)")
+
+
 def _load(args):
     from .model import load
-    return load(args.model, threads=args.threads, activations=args.activations, kv_dtype=args.kv_dtype)
+    return load(args.model, threads=args.threads, activations=args.activations, kv_dtype=args.kv_dtype,
+                device=args.device)
 
 
 def cmd_info(args) -> int:
@@ -207,15 +213,18 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--regex", metavar="PATTERN", help="constrain the whole output to match this regular expression")
     shape.add_argument("--grammar", metavar="FILE", help="constrain the output to this llguidance Lark grammar")
     _add_generation_flags(p)
+    _add_device_flag(p)
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("chat", help="interactive chat with streaming replies (/reset, /exit)")
     p.add_argument("--system", help="system prompt")
     _add_generation_flags(p)
+    _add_device_flag(p)
     p.set_defaults(func=cmd_chat)
     p = sub.add_parser("perplexity", help="perplexity of a text file, as llama-perplexity computes it")
     p.add_argument("-f", "--file", required=True, help="text file")
     p.add_argument("-c", "--ctx", type=int, help="window size (default 512)")
     _add_model_flags(p)
+    _add_device_flag(p)
     p.set_defaults(func=cmd_perplexity)
     p = sub.add_parser("bench", help="prefill and decode tokens/s of this engine")
     _add_model_flags(p)
@@ -223,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--gen-tokens", type=int, default=64, help="tokens to decode (default 64)")
     p.add_argument("-r", "--repeats", type=int, default=3, help="runs; the best is reported (default 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_device_flag(p)
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching")
     _add_model_flags(p)
@@ -255,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
-    except (GGUFError, ModelFetchError, FileNotFoundError, ValueError, OSError) as e:
+    except (GGUFError, ModelFetchError, DeviceError, FileNotFoundError, ValueError, OSError) as e:
         print(f"npllama: error: {e}", file=sys.stderr)
         return 1
 

@@ -2,6 +2,8 @@
 (H100/H200) with explicit signatures and no float64 instruction; `load(device="cuda")` raises
 DeviceError where there is no usable device; the CPU engine never imports the backend. Its
 kernels and a whole model run in Numba's simulator in tests/cuda (a process of their own)."""
+import os
+import pathlib
 import subprocess
 import sys
 import types
@@ -35,7 +37,7 @@ def test_every_kernel_is_checked():
 
 @pytest.mark.parametrize("name", sorted(SIGNATURES))
 def test_kernel_compiles_to_ptx_without_float64(name):
-    assert not K.SIMULATED and K.LANES == 32  # the warp-shuffle reductions are the ones compiled
+    assert K.SHUFFLES and K.LANES == 32  # the warp-shuffle reductions are the ones compiled
     for sig in SIGNATURES[name]:
         ptx, _ = cuda.compile_ptx(getattr(K, name).py_func, sig, cc=(9, 0))
         assert ".target sm_90" in ptx
@@ -43,6 +45,18 @@ def test_kernel_compiles_to_ptx_without_float64(name):
         assert not [line for line in body if ".f64" in line], f"{name}{sig}: float64 in the PTX"
         if name in ("_matvec_kernel", "_rmsnorm_kernel", "_attention_split_kernel"):
             assert "shfl.sync.bfly" in ptx  # a GPU reduces across the warp by shuffles
+
+
+def test_shared_memory_reductions_compile_for_a_gpu():
+    """NPLLAMA_CUDA_SHARED_REDUCTIONS=1 (the simulator's form, on a GPU: gpu_check.sh compares
+    the two) compiles too, without shuffles or float64."""
+    code = ("import sys\nfrom numba import cuda\nfrom npllama.backends.cuda import kernels as K\n"
+            "sys.path.insert(0, 'tests')\nfrom test_cuda_backend import SIGNATURES\nassert not K.SHUFFLES\n"
+            "for name in ('_matvec_kernel', '_rmsnorm_kernel', '_attention_split_kernel'):\n"
+            "    ptx, _ = cuda.compile_ptx(getattr(K, name).py_func, SIGNATURES[name][0], cc=(9, 0))\n"
+            "    assert 'shfl' not in ptx and 'bar.sync' in ptx and '.f64' not in ptx, name\n")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "NPLLAMA_CUDA_SHARED_REDUCTIONS": "1"},
+                   cwd=pathlib.Path(__file__).parent.parent)
 
 
 def test_no_device_is_a_clear_error(monkeypatch, tiny_model_path):
@@ -70,3 +84,10 @@ def test_cpu_engine_does_not_import_the_backend(tiny_model_path):
     out = subprocess.run([sys.executable, "-c", code, str(tiny_model_path)], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_cli_device_flag_without_a_device(monkeypatch, capsys, tiny_model_path):
+    from npllama.cli import main
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    assert main(["run", "hi", "-n", "2", "--device", "cuda", "-m", str(tiny_model_path)]) == 1
+    assert "needs CuPy" in capsys.readouterr().err

@@ -16,7 +16,7 @@ LAYERS = [
     {"text"},
     {"engine"},
     {"generation"},
-    {"model"},
+    {"model", "backends"},  # load(device="cuda") makes the backend's Model subclass
     {"bench", "cli", "predictor", "server"},
     {"__init__", "__main__"},
 ]

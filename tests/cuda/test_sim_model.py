@@ -1,6 +1,8 @@
 """A whole tiny model on the CUDA backend in Numba's simulator against the CPU engine: logits
 equal to float32 rounding for a prompt and decode steps, with fork, truncate and reset, and
 the text API on top (NUMBA_ENABLE_CUDASIM=1; see test_sim_kernels.py)."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -45,3 +47,15 @@ def test_text_api(models):
     close(cpu.embed("hi"), gpu.embed("hi"))
     with pytest.raises(ValueError, match="own cache"):
         gpu.forward([1], 0, cpu.new_cache())
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3"])
+def test_architecture_fixture_matches_cpu(arch):
+    """Converted tiny HF models (tests/fixtures/arch): Gemma 3's QK norms, post-norms, GeGLU,
+    sliding windows and embedding scale, Qwen 3's QK norms, on the device as on the CPU."""
+    path = Path(__file__).parent.parent / "fixtures" / "arch" / f"{arch}.gguf"
+    cpu, gpu = npllama.load(path), npllama.load(path, device="cuda")
+    s1, s2 = cpu.session(), gpu.session()
+    ids = [1, 5, 9, 13, 17, 21]
+    close(s1.feed(ids, all_logits=True), s2.feed(ids, all_logits=True))
+    close(s1.feed([4]), s2.feed([4]))

@@ -6,7 +6,9 @@ Every kernel runs unchanged in Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1, N
 place of CuPy's), which is how they are tested on machines without a GPU. Two things differ
 between the simulator and a GPU, both fixed at import:
 - Reductions across the lanes that share a row take a shared-memory tree in the simulator
-  (which has no warp shuffles) and warp shuffles on a GPU (`_lane_sum`).
+  (which has no warp shuffles) and warp shuffles on a GPU (`_lane_sum`);
+  NPLLAMA_CUDA_SHARED_REDUCTIONS=1 makes a GPU take the shared-memory form too, for checking
+  one form against the other (bench/gpu_check.sh).
 - `LANES`, the threads that share one row or one head, is 32 (a warp) on a GPU and 4 in the
   simulator, which runs each thread as a Python thread (~0.1 s per block of 32).
 All arithmetic is float32 (integer quants widened to int32 before they multiply).
@@ -17,11 +19,13 @@ arrays (CuPy's, or NumPy's in the simulator), check shapes, and launch.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 from numba import config, cuda, float32, int32
 
 SIMULATED = bool(config.ENABLE_CUDASIM)
+SHUFFLES = not SIMULATED and os.environ.get("NPLLAMA_CUDA_SHARED_REDUCTIONS") != "1"
 LANES = 4 if SIMULATED else 32  # threads per row (mat-vec, norms) and per head (attention)
 ROWS_PER_BLOCK = 32 if SIMULATED else 4  # rows of a mat-vec per block of LANES * ROWS_PER_BLOCK threads
 _MATVEC_THREADS = LANES * ROWS_PER_BLOCK
@@ -40,7 +44,7 @@ _GELU_A = float32(0.044715)
 def _lane_sum(v, scratch, lane, base):
     """The sum of `v` over the LANES threads of a row (lanes 0..LANES-1, at scratch[base:]),
     returned to every one of them."""
-    if SIMULATED:
+    if not SHUFFLES:
         scratch[base + lane] = v
         cuda.syncthreads()
         step = LANES // 2

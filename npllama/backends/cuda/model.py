@@ -120,6 +120,9 @@ class DeviceOps(block.Ops):
         g, u = self._product(gate, h), self._product(up, h)
         return K.glu(g, u, self.xp.empty_like(g), _ACTS[self.cfg.act])
 
+    def add(self, x, b):
+        x += self.model.device_vector(b)
+
     def rope(self, x, positions, cos, sin):
         K.rope(x, self.positions, self.model.device_vector(cos), self.model.device_vector(sin), self.cfg.rope_neox)
 
