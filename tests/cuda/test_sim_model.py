@@ -39,6 +39,9 @@ def test_session_matches_cpu(models):
     s2.reset()
     s1.reset()
     close(s1.feed([9]), s2.feed([9]))
+    on_device = gpu.forward([3, 4], s2.pos, s2.cache, all_logits=True, device_arrays=True)
+    assert isinstance(on_device, gpu.xp.ndarray) and on_device.shape == (2, gpu.config.n_vocab)
+    close(cpu.forward([3, 4], s1.pos, s1.cache, all_logits=True), on_device)
 
 
 def test_text_api(models):

@@ -11,6 +11,7 @@ each weight to float32 on the device and multiply with the array library (cuBLAS
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -151,7 +152,7 @@ class CudaModel(Model):
         weights = [self.output] + [w for L in self.layers for w in (L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down)]
         self.device_weights = {w.name: upload(w, xp) for w in weights}
         self._vectors: dict[tuple, tuple] = {}
-
+        self._local = threading.local()  # forward(device_arrays=True) of this thread
     def device_vector(self, a: np.ndarray):
         """A host array (a norm's weights, a RoPE table or a view of one) on the device, uploaded
         once: keyed by its memory, which the entry keeps alive."""
@@ -181,15 +182,25 @@ class CudaModel(Model):
             ops = DeviceOps(self, cache, xp.asarray(positions))
             x = block.run_layers(self, xp.asarray(block.embed(self, ids)), positions, ops, pos + len(ids))
             if output == "hidden":
-                return _host(ops.norm(x, self.output_norm))
-            if not all_logits:
-                x = x[-1:]
-            logits = _host(ops.product(self.output, ops.norm(x, self.output_norm)))
+                out = ops.norm(x, self.output_norm)
+            else:
+                out = block.softcap(ops.product(self.output, ops.norm(x if all_logits else x[-1:], self.output_norm)),
+                                    cfg.softcap)
+                out = out if all_logits else out[0]
         except BaseException:
             cache.truncate(pos)
             raise
-        block.softcap(logits, cfg.softcap)
-        return logits if all_logits else logits[0]
+        return out if getattr(self._local, "device_arrays", False) else _host(out)
+
+    def forward(self, ids, pos: int, cache, *, all_logits: bool = False, output: str = "logits",
+                threads: int | None = None, device_arrays: bool = False):
+        """`Transformer.forward`; with `device_arrays=True` the logits (or hidden states) stay on
+        the device, a CuPy array (NumPy's in the simulator), instead of coming back as NumPy."""
+        self._local.device_arrays = device_arrays
+        try:
+            return super().forward(ids, pos, cache, all_logits=all_logits, output=output, threads=threads)
+        finally:
+            self._local.device_arrays = False
 
 
 def _host(a) -> np.ndarray:
