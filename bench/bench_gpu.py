@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from npllama.bench import run_bench  # noqa: E402
+
 
 def model_path(arg: str | None) -> str:
     path = arg or os.environ.get("NPLLAMA_MODEL")
@@ -37,19 +39,10 @@ def model_path(arg: str | None) -> str:
 
 
 def rates(model, ids, gen):
-    """(prefill tok/s, decode tok/s) through a session, best of 3; logits come back to the host
-    each call, so each timing ends with the device's work done."""
-    best_p = best_d = 0.0
-    for _ in range(3):
-        s = model.session()
-        t0 = time.perf_counter()
-        logits = s.feed(ids)
-        t1 = time.perf_counter()
-        for _ in range(gen):
-            logits = s.feed([int(np.argmax(logits))])
-        t2 = time.perf_counter()
-        best_p, best_d = max(best_p, len(ids) / (t1 - t0)), max(best_d, gen / (t2 - t1))
-    return best_p, best_d
+    """(prefill tok/s, decode tok/s) through a session, best of 3 (npllama bench's protocol);
+    logits come back to the host each call, so each timing ends with the device's work done."""
+    r = run_bench(model, ids=ids, gen_tokens=gen, repeats=3)
+    return r["prefill_tok_s"], r["decode_tok_s"]
 
 
 def hf_rates(path, ids, gen):
