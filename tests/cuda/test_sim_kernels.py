@@ -23,13 +23,21 @@ def weight(qtype, rows, cols):
     if qtype == QT.F16:
         h = w.astype(np.float16)
         return QWeight("w", h.view(np.uint8).reshape(rows, -1), qtype, rows, cols), h.astype(np.float64)
+    if qtype == QT.Q4_K:  # gguf cannot quantize to it: random blocks, with sane float16 d and dmin
+        raw = RNG.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+        raw[:, :, :4] = RNG.uniform(0.001, 0.1, (rows, cols // 256, 2)).astype(np.float16).view(np.uint8)
+        raw = raw.reshape(rows, -1)
+        return QWeight("w", raw, qtype, rows, cols), gq.dequantize(raw, qtype).astype(np.float64)
     raw = gq.quantize(w, qtype)
     return QWeight("w", raw, qtype, rows, cols), gq.dequantize(raw, qtype).astype(np.float64)
 
 
-# Q5_0 stands for the types without a device kernel: dequantized on the host at upload
-@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.F16, QT.F32, QT.Q5_0])
-@pytest.mark.parametrize("rows,cols", [(1, 32), (7, 96)])
+# Q5_1 stands for the types without a device layout of their own: dequantized on the host at
+# upload. Q4_K rows are whole super-blocks of 256.
+@pytest.mark.parametrize("qtype,rows,cols", [
+    (qtype, rows, cols)
+    for qtype in (QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q4_K, QT.F16, QT.F32, QT.Q5_1)
+    for rows, cols in ((1, 32), (7, 96), (3, 512)) if qtype != QT.Q4_K or cols % 256 == 0])
 def test_matvec_and_dequantize(qtype, rows, cols):
     w, ref = weight(qtype, rows, cols)
     d = upload(w, np)

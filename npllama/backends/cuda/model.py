@@ -5,7 +5,10 @@
 
 Weights are uploaded once, at load, in a layout the kernels read (`upload`): Q8_0, Q4_0 and
 Q4_1 as float32 block scales (and Q4_1's minimums) beside their quants, exactly as stored;
-every other type dequantized on the host (exactly, by the CPU kernels) to float32 rows. A
+Q5_0 in Q8_0's form (its 5-bit values as int8) and Q4_K in Q4_1's (a scale and a negated
+minimum per 32 elements, the products gguf's dequantization forms), both exact; every other
+type (Q5_1, Q5_K, Q6_K, Q3_K, Q2_K, floats) dequantized on the host, exactly, by the CPU
+kernels, to float32 rows. A
 decode step's products are the fused mat-vec kernel on those blocks; a prompt's dequantize
 each weight to float32 on the device and multiply with the array library (cuBLAS on a GPU).
 """
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from gguf import GGMLQuantizationType as QT
+from gguf import quants as gguf_quants
 
 from ...arch.weights import QWeight
 from ...cache.kvcache import KVCache
@@ -51,6 +55,25 @@ def upload(w: QWeight, xp) -> DeviceWeight:
         scales = raw[:, :, :head].copy().view(np.float16).astype(np.float32)
         quants = raw[:, :, head:]
         kind = K.Q4_0 if w.qtype == QT.Q4_0 else K.Q4_1
+    elif w.qtype == QT.Q5_0:  # (q - 16) d: Q8_0's form, the 5-bit values widened to int8
+        raw = w.data.reshape(rows, nblk, 22)
+        scales = raw[:, :, :2].copy().view(np.float16).astype(np.float32)
+        high = (raw[:, :, 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1  # element j: bit j
+        low = np.concatenate([raw[:, :, 6:] & 15, raw[:, :, 6:] >> 4], axis=-1)
+        quants = ((low | (high.astype(np.uint8) << 4)).astype(np.int16) - 16).astype(np.int8)
+        kind = K.Q8_0
+    elif w.qtype == QT.Q4_K:  # (d sc) q - (dmin m) per 32 elements: Q4_1's form with a negated minimum
+        n_super = w.cols // 256
+        raw = w.data.reshape(rows, n_super, 144)
+        d = raw[:, :, 0:2].copy().view(np.float16).astype(np.float32)
+        dmin = raw[:, :, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, m = (a.reshape(rows, n_super, 8).astype(np.float32)
+                 for a in gguf_quants.Q4_K.get_scale_min(np.ascontiguousarray(raw[:, :, 4:16]).reshape(-1, 12)))
+        scales = np.stack([d * sc, -(dmin * m)], axis=-1).reshape(rows, nblk, 2)
+        qs = raw[:, :, 16:].reshape(rows, n_super, 4, 1, 32)  # 4 chunks of 64: low nibbles, then high ones
+        sub = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(rows, nblk, 32)  # each 32-element block's values
+        quants = sub[:, :, :16] | (sub[:, :, 16:] << 4)  # Q4_1's nibble order
+        kind = K.Q4_1
     else:  # float rows, and the types without a device kernel: dequantized here, exactly
         scales = w.rows_of(np.arange(rows)).reshape(rows, w.cols, 1)
         quants = np.zeros((1, 1, 1), np.uint8)
