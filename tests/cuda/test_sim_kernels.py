@@ -13,6 +13,8 @@ from npllama.backends.cuda.model import upload
 
 assert simulated(), "run with NUMBA_ENABLE_CUDASIM=1"
 RNG = np.random.default_rng(0)
+K_QUANTS = {QT.Q4_K: (144, slice(0, 4)), QT.Q5_K: (176, slice(0, 4)), QT.Q6_K: (210, slice(208, 210)),
+            QT.Q3_K: (110, slice(108, 110))}  # bytes a super-block, where its float16 scales lie
 
 
 def weight(qtype, rows, cols):
@@ -23,21 +25,23 @@ def weight(qtype, rows, cols):
     if qtype == QT.F16:
         h = w.astype(np.float16)
         return QWeight("w", h.view(np.uint8).reshape(rows, -1), qtype, rows, cols), h.astype(np.float64)
-    if qtype == QT.Q4_K:  # gguf cannot quantize to it: random blocks, with sane float16 d and dmin
-        raw = RNG.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
-        raw[:, :, :4] = RNG.uniform(0.001, 0.1, (rows, cols // 256, 2)).astype(np.float16).view(np.uint8)
+    if qtype in K_QUANTS:  # gguf cannot quantize to them: random blocks, with sane float16 scales
+        size, at = K_QUANTS[qtype]
+        raw = RNG.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+        raw[:, :, at] = RNG.uniform(0.001, 0.1, (rows, cols // 256, len(range(*at.indices(size))) // 2)
+                                    ).astype(np.float16).view(np.uint8)
         raw = raw.reshape(rows, -1)
         return QWeight("w", raw, qtype, rows, cols), gq.dequantize(raw, qtype).astype(np.float64)
     raw = gq.quantize(w, qtype)
     return QWeight("w", raw, qtype, rows, cols), gq.dequantize(raw, qtype).astype(np.float64)
 
 
-# Q5_1 stands for the types without a device layout of their own: dequantized on the host at
-# upload. Q4_K rows are whole super-blocks of 256.
+# Q3_K stands for the types without a device layout of their own: dequantized on the host at
+# upload. K-quant rows are whole super-blocks of 256.
 @pytest.mark.parametrize("qtype,rows,cols", [
     (qtype, rows, cols)
-    for qtype in (QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q4_K, QT.F16, QT.F32, QT.Q5_1)
-    for rows, cols in ((1, 32), (7, 96), (3, 512)) if qtype != QT.Q4_K or cols % 256 == 0])
+    for qtype in (QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q3_K, QT.F16, QT.F32)
+    for rows, cols in ((1, 32), (7, 96), (3, 512)) if qtype not in K_QUANTS or cols % 256 == 0])
 def test_matvec_and_dequantize(qtype, rows, cols):
     w, ref = weight(qtype, rows, cols)
     d = upload(w, np)

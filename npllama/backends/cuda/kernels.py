@@ -33,8 +33,10 @@ _LANE_DIMS = 256 // 4  # head dimensions one lane of attention owns at most: hea
 SPLIT = 64  # keys per block of attention (flash decoding: blocks of keys merged in order)
 _FULL = 0xFFFFFFFF
 
-# weight kinds (weights.py lays each out as scales + quants, or float32 rows)
-F32, Q8_0, Q4_0, Q4_1 = 0, 1, 2, 3
+# weight kinds (model.upload lays each out as scales + quants, or float32 rows): Q8_0 d q; Q4_0
+# d (q - 8) and Q4_1 d q + m on nibbles; A8_32 and A8_16 s q + m on a byte an element, per 32 or
+# 16 elements (the other quant types, unpacked: Q5_1, Q5_K; Q6_K)
+F32, Q8_0, Q4_0, Q4_1, A8_32, A8_16 = 0, 1, 2, 3, 4, 5
 ACT_SILU, ACT_GELU_TANH = 0, 1
 _GELU_C = float32(math.sqrt(2.0 / math.pi) * 2.0)
 _GELU_A = float32(0.044715)
@@ -66,6 +68,10 @@ def _weight(kind, scales, quants, row, col):
     """Element (row, col) of a weight of `kind`, dequantized exactly to float32."""
     if kind == F32:
         return scales[row, col, 0]
+    if kind == A8_32 or kind == A8_16:
+        size = 32 if kind == A8_32 else 16
+        blk = col // size
+        return scales[row, blk, 0] * float32(int32(quants[row, blk, col % size])) + scales[row, blk, 1]
     blk = col // 32
     j = col % 32
     if kind == Q8_0:

@@ -5,10 +5,10 @@
 
 Weights are uploaded once, at load, in a layout the kernels read (`upload`): Q8_0, Q4_0 and
 Q4_1 as float32 block scales (and Q4_1's minimums) beside their quants, exactly as stored;
-Q5_0 in Q8_0's form (its 5-bit values as int8) and Q4_K in Q4_1's (a scale and a negated
-minimum per 32 elements, the products gguf's dequantization forms), both exact; every other
-type (Q5_1, Q5_K, Q6_K, Q3_K, Q2_K, floats) dequantized on the host, exactly, by the CPU
-kernels, to float32 rows. A
+Q5_0 in Q8_0's form (its 5-bit values as int8), Q4_K in Q4_1's (a scale and a negated minimum
+per 32 elements, the products gguf's dequantization forms), Q5_1 and Q5_K as a byte an element
+with a scale and minimum per 32, Q6_K as a byte an element with a scale per 16, all exact;
+floats, Q3_K and Q2_K dequantized on the host, exactly, by the CPU kernels, to float32 rows. A
 decode step's products are the fused mat-vec kernel on those blocks; a prompt's dequantize
 each weight to float32 on the device and multiply with the array library (cuBLAS on a GPU).
 """
@@ -41,40 +41,66 @@ class DeviceWeight:
     cols: int
 
 
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """float16 fields (two bytes on the last axis) as float32."""
+    return raw.copy().view(np.float16).astype(np.float32)
+
+
+def _five_bits(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1 values (..., 32) from their high-bit words (..., 4) and nibbles (..., 16)."""
+    high = (qh.copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1  # element j: bit j
+    return np.concatenate([qs & 15, qs >> 4], axis=-1) | (high.astype(np.uint8) << 4)
+
+
+def _k_scales(raw: np.ndarray, rows: int, n_super: int) -> np.ndarray:
+    """Q4_K / Q5_K super-blocks' (d sc, -(dmin m)) for each 32 elements, (rows, n_super * 8, 2):
+    the products gguf's dequantization forms, in its order."""
+    d, dmin = _f16(raw[:, :, 0:2]), _f16(raw[:, :, 2:4])
+    sc, m = (a.reshape(rows, n_super, 8).astype(np.float32)
+             for a in gguf_quants.Q4_K.get_scale_min(np.ascontiguousarray(raw[:, :, 4:16]).reshape(-1, 12)))
+    return np.stack([d * sc, -(dmin * m)], axis=-1).reshape(rows, n_super * 8, 2)
+
+
 def upload(w: QWeight, xp) -> DeviceWeight:
     """`w` in the kernels' layout, on the device (see the module docstring)."""
-    rows, nblk = w.rows, w.cols // 32
+    rows, nblk, n_super = w.rows, w.cols // 32, w.cols // 256
     if w.qtype == QT.Q8_0:
         raw = w.data.reshape(rows, nblk, 34)
-        scales = raw[:, :, :2].copy().view(np.float16).astype(np.float32)
-        quants = raw[:, :, 2:].view(np.int8)
-        kind = K.Q8_0
+        scales, quants, kind = _f16(raw[:, :, :2]), raw[:, :, 2:].view(np.int8), K.Q8_0
     elif w.qtype in (QT.Q4_0, QT.Q4_1):
         head = 2 if w.qtype == QT.Q4_0 else 4
         raw = w.data.reshape(rows, nblk, head + 16)
-        scales = raw[:, :, :head].copy().view(np.float16).astype(np.float32)
-        quants = raw[:, :, head:]
+        scales, quants = _f16(raw[:, :, :head]), raw[:, :, head:]
         kind = K.Q4_0 if w.qtype == QT.Q4_0 else K.Q4_1
     elif w.qtype == QT.Q5_0:  # (q - 16) d: Q8_0's form, the 5-bit values widened to int8
         raw = w.data.reshape(rows, nblk, 22)
-        scales = raw[:, :, :2].copy().view(np.float16).astype(np.float32)
-        high = (raw[:, :, 2:6].copy().view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1  # element j: bit j
-        low = np.concatenate([raw[:, :, 6:] & 15, raw[:, :, 6:] >> 4], axis=-1)
-        quants = ((low | (high.astype(np.uint8) << 4)).astype(np.int16) - 16).astype(np.int8)
+        scales = _f16(raw[:, :, :2])
+        quants = (_five_bits(raw[:, :, 2:6], raw[:, :, 6:]).astype(np.int16) - 16).astype(np.int8)
         kind = K.Q8_0
-    elif w.qtype == QT.Q4_K:  # (d sc) q - (dmin m) per 32 elements: Q4_1's form with a negated minimum
-        n_super = w.cols // 256
+    elif w.qtype == QT.Q5_1:  # d q + m
+        raw = w.data.reshape(rows, nblk, 24)
+        scales, quants, kind = _f16(raw[:, :, :4]), _five_bits(raw[:, :, 4:8], raw[:, :, 8:]), K.A8_32
+    elif w.qtype == QT.Q4_K:  # (d sc) q - (dmin m) per 32 elements: Q4_1's form, the minimum negated
         raw = w.data.reshape(rows, n_super, 144)
-        d = raw[:, :, 0:2].copy().view(np.float16).astype(np.float32)
-        dmin = raw[:, :, 2:4].copy().view(np.float16).astype(np.float32)
-        sc, m = (a.reshape(rows, n_super, 8).astype(np.float32)
-                 for a in gguf_quants.Q4_K.get_scale_min(np.ascontiguousarray(raw[:, :, 4:16]).reshape(-1, 12)))
-        scales = np.stack([d * sc, -(dmin * m)], axis=-1).reshape(rows, nblk, 2)
         qs = raw[:, :, 16:].reshape(rows, n_super, 4, 1, 32)  # 4 chunks of 64: low nibbles, then high ones
-        sub = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(rows, nblk, 32)  # each 32-element block's values
-        quants = sub[:, :, :16] | (sub[:, :, 16:] << 4)  # Q4_1's nibble order
-        kind = K.Q4_1
-    else:  # float rows, and the types without a device kernel: dequantized here, exactly
+        sub = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(rows, nblk, 32)  # each 32 elements' values
+        scales, quants, kind = _k_scales(raw, rows, n_super), sub[:, :, :16] | (sub[:, :, 16:] << 4), K.Q4_1
+    elif w.qtype == QT.Q5_K:  # as Q4_K, with a fifth bit: a byte an element
+        raw = w.data.reshape(rows, n_super, 176)
+        qs = raw[:, :, 48:].reshape(rows, n_super, 4, 1, 32)
+        low = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(rows, n_super, 8, 32)
+        high = (raw[:, :, 16:48].reshape(rows, n_super, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+        scales, quants, kind = _k_scales(raw, rows, n_super), (low | (high << 4)).reshape(rows, nblk, 32), K.A8_32
+    elif w.qtype == QT.Q6_K:  # (d sc) (q - 32) per 16 elements
+        raw = w.data.reshape(rows, n_super, 210)
+        ql = raw[:, :, :128].reshape(rows, n_super, 2, 1, 64)
+        ql = np.concatenate([ql & 15, ql >> 4], axis=3).reshape(rows, n_super, 8, 32)
+        qh = (raw[:, :, 128:192].reshape(rows, n_super, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
+        q = (ql | (qh.reshape(rows, n_super, 8, 32) << 4)).astype(np.int8) - np.int8(32)
+        sc = raw[:, :, 192:208].view(np.int8).astype(np.float32) * _f16(raw[:, :, 208:210])
+        scales = np.stack([sc, np.zeros_like(sc)], axis=-1).reshape(rows, n_super * 16, 2)
+        quants, kind = q.reshape(rows, n_super * 16, 16), K.A8_16
+    else:  # floats, Q3_K and Q2_K: dequantized here, exactly, into float32 rows
         scales = w.rows_of(np.arange(rows)).reshape(rows, w.cols, 1)
         quants = np.zeros((1, 1, 1), np.uint8)
         kind = K.F32
