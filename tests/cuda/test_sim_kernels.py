@@ -14,7 +14,7 @@ from npllama.backends.cuda.model import upload
 assert simulated(), "run with NUMBA_ENABLE_CUDASIM=1"
 RNG = np.random.default_rng(0)
 K_QUANTS = {QT.Q4_K: (144, slice(0, 4)), QT.Q5_K: (176, slice(0, 4)), QT.Q6_K: (210, slice(208, 210)),
-            QT.Q3_K: (110, slice(108, 110))}  # bytes a super-block, where its float16 scales lie
+            QT.Q3_K: (110, slice(108, 110)), QT.Q2_K: (84, slice(80, 84))}  # bytes a super-block, its float16 scales
 
 
 def weight(qtype, rows, cols):
@@ -36,11 +36,12 @@ def weight(qtype, rows, cols):
     return QWeight("w", raw, qtype, rows, cols), gq.dequantize(raw, qtype).astype(np.float64)
 
 
-# Q3_K stands for the types without a device layout of their own: dequantized on the host at
-# upload. K-quant rows are whole super-blocks of 256.
+# Every type the CPU reads (BF16 is read as float rows, as F16). K-quant rows are whole
+# super-blocks of 256.
 @pytest.mark.parametrize("qtype,rows,cols", [
     (qtype, rows, cols)
-    for qtype in (QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q3_K, QT.F16, QT.F32)
+    for qtype in (QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K,
+                  QT.F16, QT.F32)
     for rows, cols in ((1, 32), (7, 96), (3, 512)) if qtype not in K_QUANTS or cols % 256 == 0])
 def test_matvec_and_dequantize(qtype, rows, cols):
     w, ref = weight(qtype, rows, cols)

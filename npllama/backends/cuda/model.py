@@ -7,8 +7,8 @@ Weights are uploaded once, at load, in a layout the kernels read (`upload`): Q8_
 Q4_1 as float32 block scales (and Q4_1's minimums) beside their quants, exactly as stored;
 Q5_0 in Q8_0's form (its 5-bit values as int8), Q4_K in Q4_1's (a scale and a negated minimum
 per 32 elements, the products gguf's dequantization forms), Q5_1 and Q5_K as a byte an element
-with a scale and minimum per 32, Q6_K as a byte an element with a scale per 16, all exact;
-floats, Q3_K and Q2_K dequantized on the host, exactly, by the CPU kernels, to float32 rows. A
+with a scale and minimum per 32, Q6_K, Q3_K and Q2_K as a byte an element with a scale (and
+Q2_K a minimum) per 16, all exact; floats as float32 rows. A
 decode step's products are the fused mat-vec kernel on those blocks; a prompt's dequantize
 each weight to float32 on the device and multiply with the array library (cuBLAS on a GPU).
 """
@@ -100,7 +100,25 @@ def upload(w: QWeight, xp) -> DeviceWeight:
         sc = raw[:, :, 192:208].view(np.int8).astype(np.float32) * _f16(raw[:, :, 208:210])
         scales = np.stack([sc, np.zeros_like(sc)], axis=-1).reshape(rows, n_super * 16, 2)
         quants, kind = q.reshape(rows, n_super * 16, 16), K.A8_16
-    else:  # floats, Q3_K and Q2_K: dequantized here, exactly, into float32 rows
+    elif w.qtype == QT.Q3_K:  # (d (sc - 32)) q per 16 elements, q in -4..3
+        raw = w.data.reshape(rows, n_super, 110)
+        ql = (raw[:, :, 32:96].reshape(rows, n_super, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
+        qh = (raw[:, :, :32].reshape(rows, n_super, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+        q = ql.reshape(rows, n_super, 8, 32).astype(np.int8) - ((qh ^ 1) << 2).astype(np.int8)
+        low = (raw[:, :, 96:104].reshape(rows, n_super, 1, 8) >> np.array([0, 4], np.uint8)[:, None]) & 15
+        high = (raw[:, :, 104:108].reshape(rows, n_super, 1, 4) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
+        sc = (low.reshape(rows, n_super, 16) | (high.reshape(rows, n_super, 16) << 4)).astype(np.int8) - np.int8(32)
+        sc = _f16(raw[:, :, 108:110]) * sc.astype(np.float32)
+        scales = np.stack([sc, np.zeros_like(sc)], axis=-1).reshape(rows, n_super * 16, 2)
+        quants, kind = q.reshape(rows, n_super * 16, 16), K.A8_16
+    elif w.qtype == QT.Q2_K:  # (d sc) q - (dmin m) per 16 elements, q in 0..3
+        raw = w.data.reshape(rows, n_super, 84)
+        q = (raw[:, :, 16:80].reshape(rows, n_super, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
+        sc = raw[:, :, :16]
+        scales = np.stack([_f16(raw[:, :, 80:82]) * (sc & 15).astype(np.float32),
+                           -(_f16(raw[:, :, 82:84]) * (sc >> 4).astype(np.float32))], axis=-1)
+        scales, quants, kind = scales.reshape(rows, n_super * 16, 2), q.reshape(rows, n_super * 16, 16), K.A8_16
+    else:  # floats: float32 rows
         scales = w.rows_of(np.arange(rows)).reshape(rows, w.cols, 1)
         quants = np.zeros((1, 1, 1), np.uint8)
         kind = K.F32
