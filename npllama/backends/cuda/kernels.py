@@ -1,5 +1,5 @@
 """The CUDA backend's kernels, in numba-cuda: dequantization and the fused quantized mat-vec of
-the weight layouts in `weights.py`, RMSNorm, RoPE from the CPU engine's tables, the GLU
+the weight layouts that `model.upload` makes, RMSNorm, RoPE from the CPU engine's tables, the GLU
 activations, and online-softmax (flash) attention split over blocks of keys.
 
 Every kernel runs unchanged in Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1, NumPy arrays in
@@ -35,7 +35,7 @@ _FULL = 0xFFFFFFFF
 
 # weight kinds (model.upload lays each out as scales + quants, or float32 rows): Q8_0 d q; Q4_0
 # d (q - 8) and Q4_1 d q + m on nibbles; A8_32 and A8_16 s q + m on a byte an element, per 32 or
-# 16 elements (the other quant types, unpacked: Q5_1, Q5_K; Q6_K)
+# 16 elements (the other quant types, unpacked: Q5_1, Q5_K; Q6_K, Q3_K, Q2_K)
 F32, Q8_0, Q4_0, Q4_1, A8_32, A8_16 = 0, 1, 2, 3, 4, 5
 ACT_SILU, ACT_GELU_TANH = 0, 1
 _GELU_C = float32(math.sqrt(2.0 / math.pi) * 2.0)
