@@ -24,7 +24,6 @@ from gguf import quants as gguf_quants
 from ...arch.weights import QWeight
 from ...cache.kvcache import KVCache
 from ...engine import block
-from ...engine.transformer import Transformer
 from ...model import Model
 from . import kernels as K
 
@@ -220,6 +219,7 @@ class CudaModel(Model):
         self.device_weights = {w.name: upload(w, xp) for w in weights}
         self._vectors: dict[tuple, tuple] = {}
         self._local = threading.local()  # forward(device_arrays=True) of this thread
+
     def device_vector(self, a: np.ndarray):
         """A host array (a norm's weights, a RoPE table or a view of one) on the device, uploaded
         once: keyed by its memory, which the entry keeps alive."""
@@ -237,7 +237,7 @@ class CudaModel(Model):
         """ValueError unless `cache` is a device cache shaped for this model."""
         if not isinstance(cache, DeviceKVCache):
             raise ValueError("a device='cuda' model needs its own cache: make one with model.new_cache()")
-        Transformer.check_cache(self, cache)
+        super().check_cache(cache)
 
     def _run(self, ids, cache, all_logits, output, threads):
         xp, cfg = self.xp, self.config
