@@ -33,7 +33,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -43,6 +43,9 @@ from ..gguf.reader import StringArray
 # The `tokenizers` library and the chat templates' Jinja2 (.chat) are imported when a
 # tokenizer is first built and a template first rendered, not with npllama: a process that
 # feeds token ids never pays for them.
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer as _HFTokenizer
+    from tokenizers import pre_tokenizers
 
 __all__ = ["Tokenizer", "StreamDecoder", "check_metadata", "TOKEN_NORMAL", "TOKEN_UNKNOWN", "TOKEN_CONTROL",
            "TOKEN_USER_DEFINED", "TOKEN_UNUSED", "TOKEN_BYTE"]
