@@ -69,6 +69,10 @@ class KVCache:
         self._buf = self._alloc(self._capacity)
         self._lens = [0] * self.n_layers
 
+    def _empty(self, capacity: int) -> KVCache:
+        """An empty cache of this one's kind and shape."""
+        return KVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.dtype)
+
     def _nbytes(self, capacity: int) -> int:
         return self.n_layers * capacity * self.n_kv_heads * 2 * self.head_dim * self.dtype.itemsize
 
@@ -150,6 +154,10 @@ class KVCache:
                 raise ValueError(f"KVCache.append: {name} must be a float array, got dtype {a.dtype}")
         if k.shape != v.shape:
             raise ValueError(f"KVCache.append: k and v shapes differ: k {k.shape}, v {v.shape}")
+        return self._store(layer, k, v)
+
+    def _store(self, layer: int, k, v) -> int:
+        """Write checked keys and values (seq, n_kv_heads, head_dim) after layer's last position."""
         pos = self._lens[layer]
         end = pos + k.shape[0]
         self.ensure_capacity(end)
@@ -181,7 +189,7 @@ class KVCache:
 
     def fork(self) -> KVCache:
         """An independent copy (same capacity, same contents) that shares no memory with this one."""
-        other = KVCache(self.n_layers, self.n_kv_heads, self.head_dim, self._capacity, self.dtype)
+        other = self._empty(self._capacity)
         for layer, filled in enumerate(self._lens):
             other._buf[layer, :filled] = self._buf[layer, :filled]
         other._lens = list(self._lens)

@@ -213,18 +213,20 @@ class Transformer:
                 views = self._panels
         return views
 
+    def product_weights(self) -> list[QWeight]:
+        """Every weight a product reads: each layer's (its experts' and router's too), then the
+        output's (the token embedding, when tied)."""
+        layers = [w for L in self.layers
+                  for w in (L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down, L.router,
+                            *(w for e in L.experts for w in e)) if w is not None]
+        return layers + [self.output]
+
     def _pack_panels(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """(arena, {weight name: its panels, a view of the arena}) for every product weight of a
         type with panel kernels whose inputs are whole blocks of 32. In int8 mode, where no
         product reads those weights' GGUF rows, their pages leave the resident set as they are
         packed (`GGUFFile.release`; a tied embedding's rows come back as tokens look them up)."""
-        ws = {}
-        for L in self.layers:
-            for w in (L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down, L.router, *(w for e in L.experts for w in e)):
-                if w is not None and has_panels(w.qtype) and w.cols % 32 == 0:
-                    ws[w.name] = w
-        if has_panels(self.output.qtype) and self.output.cols % 32 == 0:
-            ws[self.output.name] = self.output
+        ws = {w.name: w for w in self.product_weights() if has_panels(w.qtype) and w.cols % 32 == 0}
         shapes = {n: panel_shape(w.qtype, w.rows, w.cols) for n, w in ws.items()}
         arena = np.zeros(sum(p * b for p, b in shapes.values()), np.uint8)
         views, at = {}, 0

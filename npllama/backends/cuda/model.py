@@ -141,20 +141,10 @@ class DeviceKVCache(KVCache):
         want = (k.shape[0], self.n_kv_heads, self.head_dim)
         if k.shape != want or v.shape != want:
             raise ValueError(f"DeviceKVCache.append: k {k.shape} and v {v.shape} must both be {want}")
-        pos = self._lens[layer]
-        end = pos + k.shape[0]
-        self.ensure_capacity(end)
-        self._buf[layer, pos:end, :, 0, :] = k
-        self._buf[layer, pos:end, :, 1, :] = v
-        self._lens[layer] = end
-        return end
+        return self._store(layer, k, v)
 
-    def fork(self) -> "DeviceKVCache":
-        other = DeviceKVCache(self.n_layers, self.n_kv_heads, self.head_dim, self._capacity, self.dtype, xp=self._xp)
-        for layer, filled in enumerate(self._lens):
-            other._buf[layer, :filled] = self._buf[layer, :filled]
-        other._lens = list(self._lens)
-        return other
+    def _empty(self, capacity: int) -> "DeviceKVCache":
+        return DeviceKVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.dtype, xp=self._xp)
 
 
 class DeviceOps(block.Ops):
@@ -215,8 +205,7 @@ class CudaModel(Model):
         if self.activations != "f32":
             raise ValueError("device='cuda' computes in float32: load it with activations='f32'")
         self.xp = xp
-        weights = [self.output] + [w for L in self.layers for w in (L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down)]
-        self.device_weights = {w.name: upload(w, xp) for w in weights}
+        self.device_weights = {w.name: upload(w, xp) for w in self.product_weights()}
         self._vectors: dict[tuple, tuple] = {}
         self._local = threading.local()  # forward(device_arrays=True) of this thread
 
