@@ -19,10 +19,9 @@ Njit level, for fused kernels (C-contiguous arrays and scalars only; they never 
 * ``_rows_f32(code, data, r0, r1, x, xsum, row, out)``: ``out[r] = dot(row r of data,
   x)`` for rows r0..r1-1 on the calling thread (the fused decode step's work items), with
   ``_block_sums(x, xsum)`` computed once per x; built on the single-row dots
-  ``_dot_row_q8_0(row, x, nb)``, ``_dot_row_q4_0(row, x, nb)``,
-  ``_dot_row_q4_1(row, x, xsum, nb)`` and ``_dot_row_<type>(row, x, xsum, nb)`` for Q5_0,
-  Q5_1, Q2_K..Q6_K (nb: blocks of the type, 32 or 256 elements), the float types
-  dequantizing each row into the caller's float32 ``row`` (at least as long as x) first.
+  ``_dot_row_<type>(row, x, xsum, nb)`` for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and Q2_K..Q6_K
+  (nb: blocks of the type, 32 or 256 elements; xsum is read by the types with minima), the
+  float types dequantizing each row into the caller's float32 ``row`` (at least as long as x) first.
 * ``_has_dot(code)``, ``_dot_row(code, row, x, xsum)``: whether a type has a direct dot, and
   that dot for one row (the prefill row kernels' few-rows path).
 * ``_matvec(code, data, x, out)``: the same product for all rows, row-parallel.
@@ -173,11 +172,19 @@ def _ir_hsum(builder, v):
     return builder.extract_element(v, _ir_i32(0))
 
 
-def _ir_block_loop(context, builder, nb_value, nb_type, step):
-    """Emit ``for b in range(nb): step(b)``."""
+def _ir_blocks(context, builder, nb_value, nb_type, step, unroll=1):
+    """Emit ``for b in range(nb): step(b, u)``, ``unroll`` blocks an iteration with u = 0 ..
+    unroll - 1 (the slot: each has an accumulator of its own, for independent dependency
+    chains), then the blocks left over, with u = 0."""
     nb = context.cast(builder, nb_value, nb_type, types.intp)
-    with cgutils.for_range(builder, nb) as loop:
-        step(loop.index)
+    one, k = ir.Constant(nb.type, 1), ir.Constant(nb.type, unroll)
+    whole = builder.mul(builder.udiv(nb, k), k)
+    with cgutils.for_range_slice(builder, ir.Constant(nb.type, 0), whole, k, inc=True) as (b, _):
+        for u in range(unroll):
+            step(builder.add(b, ir.Constant(nb.type, u)), u)
+    if unroll > 1:
+        with cgutils.for_range_slice(builder, whole, nb, one, inc=True) as (b, _):
+            step(b, 0)
 
 
 def _ir_accumulate(builder, acc_ptr, value):
@@ -192,22 +199,25 @@ def _ir_vec_zero(n):
     return ir.Constant(ir.VectorType(_F32T, n), [0.0] * n)
 
 
-def _ir_nibble_dot(builder, rp, o, xp, b, bias):
-    """16-lane vector of (lo_j - bias) * x[32b + j] + (hi_j - bias) * x[32b + 16 + j], where
-    lo_j/hi_j are the low/high nibbles of byte rp[o + j], j < 16."""
+def _ir_nibbles(builder, rp, o, bias):
+    """Two <16 x float>: the low nibbles of the 16 bytes at rp[o:] minus ``bias``, then their
+    high nibbles minus ``bias`` (Q4_0/Q4_1's elements 0-15 and 16-31)."""
     vi = ir.VectorType(_I32, 16)
-    vf = ir.VectorType(_F32T, 16)
     q = builder.zext(_ir_load(builder, rp, o, ir.VectorType(_I8, 16), 1), vi)
-    lo = builder.and_(q, ir.Constant(vi, [15] * 16))
-    hi = builder.lshr(q, ir.Constant(vi, [4] * 16))
+    halves = (builder.and_(q, ir.Constant(vi, [15] * 16)), builder.lshr(q, ir.Constant(vi, [4] * 16)))
     if bias:
-        lo = builder.sub(lo, ir.Constant(vi, [bias] * 16))
-        hi = builder.sub(hi, ir.Constant(vi, [bias] * 16))
-    xo = builder.mul(b, ir.Constant(b.type, 32))
+        halves = [builder.sub(h, ir.Constant(vi, [bias] * 16)) for h in halves]
+    return [builder.sitofp(h, ir.VectorType(_F32T, 16)) for h in halves]
+
+
+def _ir_pair_dot(builder, lo, hi, xp, xo):
+    """<16 x float>: lo * x[xo : xo + 16] + hi * x[xo + 16 : xo + 32], for <16 x float> lo, hi:
+    a 32-element run's products folded in halves (a multiply and an FMA per 32 weights)."""
+    vf = ir.VectorType(_F32T, 16)
     x0 = _ir_load(builder, xp, xo, vf, 4)
     x1 = _ir_load(builder, xp, builder.add(xo, ir.Constant(xo.type, 16)), vf, 4)
-    return builder.fadd(builder.fmul(builder.sitofp(lo, vf), x0, flags=_FAST_FLAGS),
-                        builder.fmul(builder.sitofp(hi, vf), x1, flags=_FAST_FLAGS), flags=_FAST_FLAGS)
+    return builder.fadd(builder.fmul(lo, x0, flags=_FAST_FLAGS), builder.fmul(hi, x1, flags=_FAST_FLAGS),
+                        flags=_FAST_FLAGS)
 
 
 def _is_c_array(ty, dtype):
@@ -515,108 +525,27 @@ def _dequantize_rows(code, src, dst):
 
 
 # ---------------------------------------------------------------------------------------
-# Decode products: out[r] = dot(dequantized row r of data, x)
+# Decode products: out[r] = dot(dequantized row r of data, x), the direct block dots as LLVM IR
 #
-# The Q8_0/Q4_0/Q4_1 row dots are written as LLVM IR: one block per loop iteration, its
-# quants widened to float vectors, multiplied with x, scaled by the block's d and added into
-# a vector accumulator that is summed once per row. (Plain loops over a block's 16 or 32
-# quants get fully unrolled by LLVM, which then vectorises across blocks with gathers.)
-# ---------------------------------------------------------------------------------------
-
-@intrinsic
-def _dot_row_q8_0(typingctx, row, x, nb):
-    """Dot of a Q8_0 row of ``nb`` blocks with x[:32*nb].
-    Block (34 B): d f16 | qs int8[32];  sum_b d_b * sum_j qs_j x_j."""
-    if not (_is_c_array(row, types.uint8) and _is_c_array(x, types.float32) and isinstance(nb, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        rp = context.make_array(sig.args[0])(context, builder, args[0]).data
-        xp = context.make_array(sig.args[1])(context, builder, args[1]).data
-        acc = cgutils.alloca_once_value(builder, _ir_vec_zero(32))
-
-        def step(b):
-            o = builder.mul(b, ir.Constant(b.type, 34))
-            d = _ir_f16_fast(builder, _ir_load_f16(builder, rp, o))
-            qs = _ir_load(builder, rp, builder.add(o, ir.Constant(o.type, 2)), ir.VectorType(_I8, 32), 1)
-            q = builder.sitofp(qs, ir.VectorType(_F32T, 32))
-            xv = _ir_load(builder, xp, builder.mul(b, ir.Constant(b.type, 32)), ir.VectorType(_F32T, 32), 4)
-            _ir_accumulate(builder, acc, _ir_scaled(builder, d, builder.fmul(q, xv, flags=_FAST_FLAGS)))
-
-        _ir_block_loop(context, builder, args[2], sig.args[2], step)
-        return _ir_hsum(builder, builder.load(acc))
-
-    return types.float32(row, x, nb), codegen
-
-
-@intrinsic
-def _dot_row_q4_0(typingctx, row, x, nb):
-    """Dot of a Q4_0 row of ``nb`` blocks with x[:32*nb].
-    Block (18 B): d f16 | qs u8[16] (element j: low nibble of qs[j], element j+16: high nibble);
-    sum_b d_b * sum_j (q_j - 8) x_j."""
-    if not (_is_c_array(row, types.uint8) and _is_c_array(x, types.float32) and isinstance(nb, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        rp = context.make_array(sig.args[0])(context, builder, args[0]).data
-        xp = context.make_array(sig.args[1])(context, builder, args[1]).data
-        acc = cgutils.alloca_once_value(builder, _ir_vec_zero(16))
-
-        def step(b):
-            o = builder.mul(b, ir.Constant(b.type, 18))
-            d = _ir_f16_fast(builder, _ir_load_f16(builder, rp, o))
-            p = _ir_nibble_dot(builder, rp, builder.add(o, ir.Constant(o.type, 2)), xp, b, 8)
-            _ir_accumulate(builder, acc, _ir_scaled(builder, d, p))
-
-        _ir_block_loop(context, builder, args[2], sig.args[2], step)
-        return _ir_hsum(builder, builder.load(acc))
-
-    return types.float32(row, x, nb), codegen
-
-
-@intrinsic
-def _dot_row_q4_1(typingctx, row, x, xsum, nb):
-    """Dot of a Q4_1 row of ``nb`` blocks with x[:32*nb], xsum[b] being sum(x[32b:32b+32]).
-    Block (20 B): d f16 | m f16 | qs u8[16] (nibbles as Q4_0);
-    sum_b d_b * sum_j q_j x_j + m_b * xsum_b."""
-    if not (_is_c_array(row, types.uint8) and _is_c_array(x, types.float32)
-            and _is_c_array(xsum, types.float32) and isinstance(nb, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        rp = context.make_array(sig.args[0])(context, builder, args[0]).data
-        xp = context.make_array(sig.args[1])(context, builder, args[1]).data
-        sp = context.make_array(sig.args[2])(context, builder, args[2]).data
-        acc = cgutils.alloca_once_value(builder, _ir_vec_zero(16))
-        acc_m = cgutils.alloca_once_value(builder, ir.Constant(_F32T, 0.0))
-
-        def step(b):
-            o = builder.mul(b, ir.Constant(b.type, 20))
-            d = _ir_f16_fast(builder, _ir_load_f16(builder, rp, o))
-            m = _ir_f16_fast(builder, _ir_load_f16(builder, rp, builder.add(o, ir.Constant(o.type, 2))))
-            p = _ir_nibble_dot(builder, rp, builder.add(o, ir.Constant(o.type, 4)), xp, b, 0)
-            _ir_accumulate(builder, acc, _ir_scaled(builder, d, p))
-            _ir_accumulate(builder, acc_m, builder.fmul(m, _ir_load(builder, sp, b, _F32T, 4), flags=_FAST_FLAGS))
-
-        _ir_block_loop(context, builder, args[3], sig.args[3], step)
-        return builder.fadd(_ir_hsum(builder, builder.load(acc)), builder.load(acc_m), flags=_FAST_FLAGS)
-
-    return types.float32(row, x, xsum, nb), codegen
-
-
-# ---------------------------------------------------------------------------------------
-# Direct dots of the other block types (Q5_0, Q5_1 and the K-quants), as LLVM IR
-#
-# One block (32 elements) or super-block (256) per loop iteration: its quants unpacked with
-# byte-vector operations into <32 x i8> runs of 32 consecutive elements (signed: biases are
-# subtracted in integers) and widened to floats. Q5_0/Q5_1 multiply a run by x and add it,
-# scaled by the block's d, into a <32 x float> accumulator (as Q4_0/Q4_1); the K-quants scale
-# a run's quants by its sub-block scale d * sc (a splat, or for 16-element sub-blocks a vector
-# of two halves) and multiply-add them with x into one of _N_ACC accumulators in turn (short
-# dependency chains: one multiply and one FMA per 16 weights). Minimum terms (Q4_K/Q5_K: dmin * min_j * sum of x over sub-block j; Q5_1:
-# m * sum of block) come from the caller's 32-element block sums of x (``_block_sums``);
-# Q2_K's 16-element sub-blocks subtract their minimum from each weight (w = dl q - ml), then
-# dot. Each dot has the signature (row, x, xsum, nb): nb blocks of the type (32 or 256
+# One block (32 elements) or super-block (256) per step: its quants unpacked with
+# byte-vector operations into runs of 32 consecutive elements (signed: biases are subtracted
+# in integers) and widened to floats. (Plain loops over a block's quants get fully unrolled
+# by LLVM, which then vectorises across blocks with gathers.)
+# - 32-element blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): a block's products fold in halves into
+#   16 lanes (`_ir_pair_dot`), are scaled by its d and added into one of _UNROLL
+#   accumulators, the loop taking _UNROLL blocks a step (independent chains).
+# - Q4_K/Q5_K: each 32-element run's folded products times its sub-block scale d * sc, into
+#   one of _N_ACC accumulators in turn.
+# - Q6_K/Q3_K/Q2_K (16-element sub-blocks): a run's quants times its two sub-blocks' scales
+#   (a vector of two halves), multiply-added with x into one of _N_ACC <32 x float>
+#   accumulators in turn.
+# Per 32 weights that is about eight 512-bit operations (widen the quants, convert, multiply,
+# fold, scale), which is what bounds these dots on a 2-core AMD EPYC (Zen 4): ~6-8 cycles
+# per 32 weights with the data in cache, where a 32-element float32 dot alone is 2.
+# Minimum terms (Q4_1/Q5_1: m * sum of the block; Q4_K/Q5_K: dmin * min_j * sum of x over
+# sub-block j) come from the caller's 32-element block sums of x (``_block_sums``); Q2_K's
+# 16-element sub-blocks subtract their minimum from each weight (w = dl q - ml), then dot.
+# Each dot has the signature (row, x, xsum, nb): nb blocks of the type (32 or 256
 # elements); types without a minimum ignore xsum.
 # ---------------------------------------------------------------------------------------
 
@@ -667,12 +596,6 @@ def _ir_bit_select(builder, v, bit, value):
     return builder.select(on, _const_vec(_I8, 32, value), _const_vec(_I8, 32, 0))
 
 
-def _ir_qx(builder, q, xp, xo):
-    """<32 x float>: the 32 signed integers of <32 x i8> q times x[xo : xo + 32]."""
-    vf = _vec(_F32T, 32)
-    return builder.fmul(builder.sitofp(q, vf), _ir_load(builder, xp, xo, vf, 4), flags=_FAST_FLAGS)
-
-
 def _ir_fma_x(builder, acc, w, xp, xo):
     """acc += w * x[xo : xo + 32] (acc: a pointer to a <32 x float>)."""
     _ir_accumulate(builder, acc, builder.fmul(w, _ir_load(builder, xp, xo, _vec(_F32T, 32), 4), flags=_FAST_FLAGS))
@@ -709,12 +632,11 @@ def _ir_i2f(builder, v, scale):
     return builder.fmul(_ir_splat(builder, scale, v.type.count), f, flags=_FAST_FLAGS)
 
 
-def _ir_q5_floats(builder, rp, o, bias):
-    """<32 x float>: the 32 quants of a Q5_0/Q5_1 block whose qh (uint32) is at rp[o:] and
-    nibbles at rp[o + 4:], minus ``bias``. Each half (16 nibbles with 16 fifth bits as a
-    <16 x i1> mask) is widened on its own and the halves are joined as floats, which costs no
-    instruction (a <32 x float> is two registers), where joining the bytes would cost two
-    cross-lane shuffles."""
+def _ir_q5_halves(builder, rp, o, bias):
+    """Two <16 x float>: the quants of a Q5_0/Q5_1 block whose qh (uint32) is at rp[o:] and
+    nibbles at rp[o + 4:], minus ``bias``: elements 0-15, then 16-31. Each half (16 nibbles
+    with 16 fifth bits as a <16 x i1> mask) is widened on its own, where joining the bytes
+    first would cost two cross-lane shuffles."""
     c = lambda v: ir.Constant(o.type, v)  # noqa: E731
     nib = _ir_load(builder, rp, builder.add(o, c(4)), _vec(_I8, 16), 1)
     halves = []
@@ -723,7 +645,50 @@ def _ir_q5_floats(builder, rp, o, bias):
         on = builder.bitcast(_ir_load(builder, rp, builder.add(o, c(2 * h)), _I16, 1), _vec(ir.IntType(1), 16))
         q = builder.or_(q, builder.select(on, _const_vec(_I8, 16, 16), _const_vec(_I8, 16, 0)))
         halves.append(builder.sitofp(_ir_b8(builder, q, "sub", bias) if bias else q, _vec(_F32T, 16)))
-    return _shuffle(builder, halves[0], halves[1], list(range(32)))
+    return halves
+
+
+def _ir_block_term(builder, acc, d, lo, hi, xp, b):
+    """acc[0] += d * (lo * x[32b : 32b + 16] + hi * x[32b + 16 : 32b + 32]): a 32-element
+    block's products (lo, hi: its quants as two <16 x float>)."""
+    xo = builder.mul(b, ir.Constant(b.type, 32))
+    _ir_accumulate(builder, acc[0], _ir_scaled(builder, d, _ir_pair_dot(builder, lo, hi, xp, xo)))
+
+
+def _ir_min_term(builder, acc_m, m, sp, b):
+    """acc_m[0] += m * xsum[b] (acc_m: an <8 x float>): a block minimum's term."""
+    mx = builder.fmul(m, _ir_load(builder, sp, b, _F32T, 4), flags=_FAST_FLAGS)
+    _ir_accumulate(builder, acc_m, builder.insert_element(_ir_vec_zero(8), mx, _ir_i32(0)))
+
+
+def _block_q8_0(builder, rp, xp, sp, b, acc, acc_m):
+    # block (34 B): d f16 | qs int8[32];  w = d q
+    c = lambda v: ir.Constant(b.type, v)  # noqa: E731
+    o = builder.mul(b, c(34))
+    d = _ir_f16_fast(builder, _ir_load_f16(builder, rp, o))
+    lo, hi = (builder.sitofp(_ir_load(builder, rp, builder.add(o, c(2 + 16 * h)), _vec(_I8, 16), 1), _vec(_F32T, 16))
+              for h in range(2))
+    _ir_block_term(builder, acc, d, lo, hi, xp, b)
+
+
+def _block_q4_0(builder, rp, xp, sp, b, acc, acc_m):
+    # block (18 B): d f16 | qs u8[16] (element j: low nibble of qs[j], element j+16: high
+    # nibble);  w = d (q - 8)
+    o = builder.mul(b, ir.Constant(b.type, 18))
+    d = _ir_f16_fast(builder, _ir_load_f16(builder, rp, o))
+    lo, hi = _ir_nibbles(builder, rp, builder.add(o, ir.Constant(o.type, 2)), 8)
+    _ir_block_term(builder, acc, d, lo, hi, xp, b)
+
+
+def _block_q4_1(builder, rp, xp, sp, b, acc, acc_m):
+    # block (20 B): d f16 | m f16 | qs u8[16] (nibbles as Q4_0);  w = d q + m
+    c = lambda v: ir.Constant(b.type, v)  # noqa: E731
+    o = builder.mul(b, c(20))
+    d = _ir_f16_fast(builder, _ir_load_f16(builder, rp, o))
+    m = _ir_f16_fast(builder, _ir_load_f16(builder, rp, builder.add(o, c(2))))
+    lo, hi = _ir_nibbles(builder, rp, builder.add(o, c(4)), 0)
+    _ir_block_term(builder, acc, d, lo, hi, xp, b)
+    _ir_min_term(builder, acc_m, m, sp, b)
 
 
 def _block_q5_0(builder, rp, xp, sp, b, acc, acc_m):
@@ -731,9 +696,8 @@ def _block_q5_0(builder, rp, xp, sp, b, acc, acc_m):
     c = lambda v: ir.Constant(b.type, v)  # noqa: E731
     o = builder.mul(b, c(22))
     d = _ir_f16_fast(builder, _ir_load_f16(builder, rp, o))
-    p = builder.fmul(_ir_q5_floats(builder, rp, builder.add(o, c(2)), 16),
-                     _ir_load(builder, xp, builder.mul(b, c(32)), _vec(_F32T, 32), 4), flags=_FAST_FLAGS)
-    _ir_accumulate(builder, acc[0], _ir_scaled(builder, d, p))
+    lo, hi = _ir_q5_halves(builder, rp, builder.add(o, c(2)), 16)
+    _ir_block_term(builder, acc, d, lo, hi, xp, b)
 
 
 def _block_q5_1(builder, rp, xp, sp, b, acc, acc_m):
@@ -742,11 +706,9 @@ def _block_q5_1(builder, rp, xp, sp, b, acc, acc_m):
     o = builder.mul(b, c(24))
     d = _ir_f16_fast(builder, _ir_load_f16(builder, rp, o))
     m = _ir_f16_fast(builder, _ir_load_f16(builder, rp, builder.add(o, c(2))))
-    p = builder.fmul(_ir_q5_floats(builder, rp, builder.add(o, c(4)), 0),
-                     _ir_load(builder, xp, builder.mul(b, c(32)), _vec(_F32T, 32), 4), flags=_FAST_FLAGS)
-    _ir_accumulate(builder, acc[0], _ir_scaled(builder, d, p))
-    mx = builder.fmul(m, _ir_load(builder, sp, b, _F32T, 4), flags=_FAST_FLAGS)
-    _ir_accumulate(builder, acc_m, builder.insert_element(_ir_vec_zero(8), mx, _ir_i32(0)))
+    lo, hi = _ir_q5_halves(builder, rp, builder.add(o, c(4)), 0)
+    _ir_block_term(builder, acc, d, lo, hi, xp, b)
+    _ir_min_term(builder, acc_m, m, sp, b)
 
 
 def _block_k_4_5(builder, rp, xp, sp, b, acc, acc_m, five):
@@ -765,9 +727,10 @@ def _block_k_4_5(builder, rp, xp, sp, b, acc, acc_m, five):
                   acc_m)
     x0 = builder.mul(b, c(256))
     for j, q in enumerate(_ir_k_quants(builder, rp, o, five)):
-        w = builder.fmul(_ir_splat(builder, builder.extract_element(dl, _ir_i32(j)), 32),
-                         builder.sitofp(q, _vec(_F32T, 32)), flags=_FAST_FLAGS)
-        _ir_fma_x(builder, acc[j % len(acc)], w, xp, builder.add(x0, c(32 * j)))
+        f = builder.sitofp(q, _vec(_F32T, 32))
+        lo, hi = (_shuffle(builder, f, f, list(range(16 * h, 16 * h + 16))) for h in range(2))
+        p = _ir_pair_dot(builder, lo, hi, xp, builder.add(x0, c(32 * j)))
+        _ir_accumulate(builder, acc[j % len(acc)], _ir_scaled(builder, builder.extract_element(dl, _ir_i32(j)), p))
 
 
 def _ir_k_quants(builder, rp, o, five):
@@ -869,13 +832,16 @@ def _block_q2_k(builder, rp, xp, sp, b, acc, acc_m):
             _ir_fma_x(builder, acc[k % len(acc)], w, xp, builder.add(x0, c(128 * h + 32 * k)))
 
 
-_N_ACC = 4  # <32 x float> accumulators of the block dots (the K-quants' runs take turns)
+_N_ACC = 4   # accumulators of a super-block's runs (the K-quants' runs take turns)
+_UNROLL = 4  # 32-element blocks a loop step of their dots, each into an accumulator of its own
 
 
-def _make_block_dot(name, block, doc):
+def _make_block_dot(name, block, doc, unroll=1, lanes=32):
     """A row-dot intrinsic ``(row, x, xsum, nb) -> float32`` from a per-block IR emitter
-    ``block(builder, rp, xp, sp, b, acc, acc_m)`` (acc: _N_ACC <32 x float> accumulators,
-    acc_m: an <8 x float> one; the result is the sum of all)."""
+    ``block(builder, rp, xp, sp, b, acc, acc_m)`` (acc: a list of <lanes x float>
+    accumulators, acc_m: an <8 x float> one; the result is the sum of all). With ``unroll``
+    > 1 (32-element blocks), the loop takes that many blocks a step and block b of a step gets
+    accumulators of its own, ``[acc[u]]`` and ``acc_m[u]``; else every block gets all _N_ACC."""
     def typer(typingctx, row, x, xsum, nb):
         if not (_is_c_array(row, types.uint8) and _is_c_array(x, types.float32)
                 and _is_c_array(xsum, types.float32) and isinstance(nb, types.Integer)):
@@ -883,12 +849,16 @@ def _make_block_dot(name, block, doc):
 
         def codegen(context, builder, sig, args):
             rp, xp, sp = (context.make_array(t)(context, builder, a).data for t, a in zip(sig.args[:3], args[:3]))
-            acc = [cgutils.alloca_once_value(builder, _ir_vec_zero(32)) for _ in range(_N_ACC)]
-            acc_m = cgutils.alloca_once_value(builder, _ir_vec_zero(8))
-            _ir_block_loop(context, builder, args[3], sig.args[3],
-                           lambda b: block(builder, rp, xp, sp, b, acc, acc_m))
+            acc = [cgutils.alloca_once_value(builder, _ir_vec_zero(lanes)) for _ in range(max(unroll, _N_ACC))]
+            acc_m = [cgutils.alloca_once_value(builder, _ir_vec_zero(8)) for _ in range(unroll)]
+            if unroll > 1:
+                step = lambda b, u: block(builder, rp, xp, sp, b, [acc[u]], acc_m[u])  # noqa: E731
+            else:
+                step = lambda b, u: block(builder, rp, xp, sp, b, acc, acc_m[0])  # noqa: E731
+            _ir_blocks(context, builder, args[3], sig.args[3], step, unroll)
             total = _ir_tree_sum(builder, [builder.load(a) for a in acc])
-            return builder.fadd(_ir_hsum(builder, total), _ir_hsum(builder, builder.load(acc_m)), flags=_FAST_FLAGS)
+            mins = _ir_tree_sum(builder, [builder.load(a) for a in acc_m])
+            return builder.fadd(_ir_hsum(builder, total), _ir_hsum(builder, mins), flags=_FAST_FLAGS)
 
         return types.float32(row, x, xsum, nb), codegen
 
@@ -897,14 +867,27 @@ def _make_block_dot(name, block, doc):
     return intrinsic(typer)
 
 
-_dot_row_q5_0 = _make_block_dot("_dot_row_q5_0", _block_q5_0,
-                                "Dot of a Q5_0 row of nb blocks with x[:32 nb] (xsum unused).")
-_dot_row_q5_1 = _make_block_dot("_dot_row_q5_1", _block_q5_1,
-                                "Dot of a Q5_1 row of nb blocks with x[:32 nb]; xsum: block sums of x.")
+def _block_dot(name, block, doc):
+    """The row dot of a 32-element block type (`_make_block_dot`, _UNROLL blocks a step, 16 lanes)."""
+    return _make_block_dot(name, block, doc, _UNROLL, 16)
+
+
+_dot_row_q8_0 = _block_dot("_dot_row_q8_0", _block_q8_0,
+                           "Dot of a Q8_0 row of nb blocks with x[:32 nb] (xsum unused).")
+_dot_row_q4_0 = _block_dot("_dot_row_q4_0", _block_q4_0,
+                           "Dot of a Q4_0 row of nb blocks with x[:32 nb] (xsum unused).")
+_dot_row_q4_1 = _block_dot("_dot_row_q4_1", _block_q4_1,
+                           "Dot of a Q4_1 row of nb blocks with x[:32 nb]; xsum: block sums of x.")
+_dot_row_q5_0 = _block_dot("_dot_row_q5_0", _block_q5_0,
+                           "Dot of a Q5_0 row of nb blocks with x[:32 nb] (xsum unused).")
+_dot_row_q5_1 = _block_dot("_dot_row_q5_1", _block_q5_1,
+                           "Dot of a Q5_1 row of nb blocks with x[:32 nb]; xsum: block sums of x.")
 _dot_row_q4_k = _make_block_dot("_dot_row_q4_k", _block_q4_k,
-                                "Dot of a Q4_K row of nb super-blocks with x[:256 nb]; xsum: block sums of x.")
+                                "Dot of a Q4_K row of nb super-blocks with x[:256 nb]; xsum: block sums of x.",
+                                lanes=16)
 _dot_row_q5_k = _make_block_dot("_dot_row_q5_k", _block_q5_k,
-                                "Dot of a Q5_K row of nb super-blocks with x[:256 nb]; xsum: block sums of x.")
+                                "Dot of a Q5_K row of nb super-blocks with x[:256 nb]; xsum: block sums of x.",
+                                lanes=16)
 _dot_row_q6_k = _make_block_dot("_dot_row_q6_k", _block_q6_k,
                                 "Dot of a Q6_K row of nb super-blocks with x[:256 nb] (xsum unused).")
 _dot_row_q3_k = _make_block_dot("_dot_row_q3_k", _block_q3_k,
@@ -973,9 +956,9 @@ def _dot_row(code, row, x, xsum):
     if code == _Q4_1:
         return _dot_row_q4_1(row, x, xsum, n // 32)
     elif code == _Q8_0:
-        return _dot_row_q8_0(row, x, n // 32)
+        return _dot_row_q8_0(row, x, xsum, n // 32)
     elif code == _Q4_0:
-        return _dot_row_q4_0(row, x, n // 32)
+        return _dot_row_q4_0(row, x, xsum, n // 32)
     elif code == _Q5_0:
         return _dot_row_q5_0(row, x, xsum, n // 32)
     elif code == _Q4_K:
@@ -1006,11 +989,11 @@ def _rows_f32(code, data, r0, r1, x, xsum, row, out):
     elif code == _Q8_0:
         for r in range(r0, r1):
             _prefetch_ahead(data, r)
-            out[r] = _dot_row_q8_0(data[r], x, nb)
+            out[r] = _dot_row_q8_0(data[r], x, xsum, nb)
     elif code == _Q4_0:
         for r in range(r0, r1):
             _prefetch_ahead(data, r)
-            out[r] = _dot_row_q4_0(data[r], x, nb)
+            out[r] = _dot_row_q4_0(data[r], x, xsum, nb)
     elif code == _Q5_0:
         for r in range(r0, r1):
             _prefetch_ahead(data, r)
