@@ -66,7 +66,7 @@ def assert_close(out, data, qtype, rows, x, int8):
 def test_products_every_isa(isa, qtype, int8):
     """int8 activations with each instruction set; float32 ones (the same IR for all) once."""
     rng = np.random.default_rng(int(qtype))
-    for rows, blocks, T in ((1, 1, 1), (16, 1, 4), (17, 2, 5), (37, 3, 9), (5, 18, 3), (33, 7, 13)):
+    for rows, blocks, T in ((1, 1, 1), (16, 1, 4), (17, 2, 5), (37, 3, 9), (5, 18, 3), (33, 7, 13), (20, 2, 29)):
         data = full_range_weight(qtype, rows, blocks, rng)
         x = rng.normal(size=(T, cols(qtype, blocks))).astype(np.float32)
         x[0, :32] *= 100.0
@@ -98,11 +98,11 @@ def test_rows_do_not_depend_on_their_neighbours(qtype, int8):
     rows, blocks = 24, 4
     data = full_range_weight(qtype, rows, blocks, rng)
     pw = P.pack_panels(data, qtype)
-    x = rng.normal(size=(15, cols(qtype, blocks))).astype(np.float32)
+    x = rng.normal(size=(21, cols(qtype, blocks))).astype(np.float32)  # float32 tiles: 16, 4, 1
     together = P.matmul_panels(pw, qtype, rows, x, int8=int8)
     for t in range(len(x)):
         np.testing.assert_array_equal(P.matmul_panels(pw, qtype, rows, x[t:t + 1], int8=int8)[0], together[t])
-    for a, b in ((3, 10), (2, 14), (1, 6)):
+    for a, b in ((3, 10), (2, 14), (1, 6), (4, 20), (5, 21)):
         np.testing.assert_array_equal(P.matmul_panels(pw, qtype, rows, x[a:b], int8=int8), together[a:b])
 
 
