@@ -1,7 +1,9 @@
 import numpy as np
 import pytest
 
-from npllama.kernels.attention import attend, attend_kv
+from numba import njit
+
+from npllama.kernels.attention import _BLOCK, _add_values, _score_block, attend, attend_kv
 from npllama.cache.kvcache import KVCache
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -54,9 +56,38 @@ def check(q, k, v, **options):
 
 
 @pytest.mark.parametrize("S, KV", [(1, 1), (1, 7), (1, 300), (1, 4096), (4, 4096), (5, 12), (12, 12), (33, 70)])
-@pytest.mark.parametrize("H, KVH, D", [(9, 3, 64), (8, 8, 40)])
+@pytest.mark.parametrize("H, KVH, D", [(9, 3, 64), (8, 8, 40), (4, 2, 128), (6, 3, 48)])
 def test_matches_reference(S, KV, H, KVH, D):
+    """Head sizes for every path of the block routines: both IR kernels (64, 128), the
+    scores' only (48), neither (40)."""
     check(*make(S, KV, H, KVH, D))
+
+
+@njit(fastmath=True)
+def _block_routines(q, kb, vb, pv, s, a):
+    _score_block(q, kb, s)
+    _add_values(a, pv, vb)
+
+
+@pytest.mark.parametrize("D", [16, 40, 48, 64, 192, 256])
+def test_block_routines_match_numpy(D):
+    """A block's scores and weighted values (`_score_block`, `_add_values`, over _score_rows
+    and _add_rows where D allows) against float64 NumPy: keys of mixed magnitudes, zero and
+    negative weights, an output that already holds a running sum."""
+    rng = np.random.default_rng(D)
+    q = rng.standard_normal(D).astype(np.float32)
+    kb = (rng.standard_normal((_BLOCK, D)) * rng.choice([1e-3, 1.0, 50.0], (_BLOCK, 1))).astype(np.float32)
+    vb = rng.standard_normal((_BLOCK, D)).astype(np.float32)
+    pv = rng.random(_BLOCK).astype(np.float32)
+    pv[:4] = 0.0
+    pv[7] = -0.5
+    a0 = rng.standard_normal(D).astype(np.float32)
+    s, a = np.full(_BLOCK, np.nan, np.float32), a0.copy()
+    _block_routines(q, kb, vb, pv, s, a)
+    scores = kb.astype(np.float64) @ q.astype(np.float64)
+    np.testing.assert_allclose(s, scores, rtol=0, atol=2e-6 * (np.abs(kb) @ np.abs(q)).max())
+    values = a0 + pv.astype(np.float64) @ vb.astype(np.float64)
+    np.testing.assert_allclose(a, values, rtol=0, atol=2e-6 * (np.abs(a0) + np.abs(pv) @ np.abs(vb)).max())
 
 
 def test_explicit_offset():

@@ -32,10 +32,14 @@ import math
 
 import numba
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from .f16 import _ld, bits
 from .nn import _exp
+from .quants import _F32T, _FAST_FLAGS, _ir_call, _ir_load, _ir_splat, _shuffle, _vec
 
 # No 'nnan' / 'ninf': the kernels rely on -inf for removed keys and empty running maxima.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp", "afn"}
@@ -84,10 +88,111 @@ def _rescale(s, n, m, l, acc):
             m[r, gh] = m_new
 
 
+# ---------------------------------------------------------------------------------------
+# A block's scores and weighted values, as LLVM IR where the head size allows (16-lane
+# vectors): the scores of 16 keys at a time in 16 accumulators (one per key, its lanes
+# partial sums over the head dimension) reduced together by a fixed tree of shuffles and
+# adds, where a horizontal sum per key would cost ~9 operations; the weighted values in
+# registers across the block's keys (8 independent FMA chains per 64 columns), where the
+# loop over four keys at a time loaded and stored the output for every four. Both group a
+# sum the same way in every caller.
+# ---------------------------------------------------------------------------------------
+
+_V16 = _vec(_F32T, 16)
+
+
+def _c_float_array(ty, ndim):
+    return isinstance(ty, types.Array) and ty.ndim == ndim and ty.layout == "C" and ty.dtype == types.float32
+
+
+def _ir_fma16(builder, a, b, c):
+    return _ir_call(builder, "llvm.fma.v16f32", _V16, [a, b, c])
+
+
+def _ir_reduce16(builder, vs):
+    """<16 x float> whose lane k is the sum of the lanes of vs[k] (16 vectors): at each level,
+    pairs of vectors whose lanes come in runs of `width` partial sums per key are folded into
+    one with runs half as long (two two-source shuffles and an add), 15 adds in all."""
+    width = 8
+    while len(vs) > 1:
+        folded = []
+        for a, b in zip(vs[0::2], vs[1::2]):
+            lo, hi = [], []
+            for src in (0, 16):
+                for r in range(0, 16, 2 * width):
+                    lo += [src + r + i for i in range(width)]
+                    hi += [src + r + width + i for i in range(width)]
+            folded.append(builder.fadd(_shuffle(builder, a, b, lo), _shuffle(builder, a, b, hi), flags=_FAST_FLAGS))
+        vs, width = folded, width // 2
+    return vs[0]
+
+
+@intrinsic
+def _score_rows(typingctx, qv, kb, sv):
+    """sv[j] = dot(qv, kb[j]) for every row j of kb (keys, D), keys a multiple of 16 and D of
+    16 (C-contiguous float32)."""
+    if not (_c_float_array(qv, 1) and _c_float_array(kb, 2) and _c_float_array(sv, 1)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        qa, ka, sa = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args, args))
+        D = builder.extract_value(qa.shape, 0)
+        c = lambda v: ir.Constant(D.type, v)  # noqa: E731
+        with cgutils.for_range_slice(builder, c(0), builder.extract_value(ka.shape, 0), c(16), inc=True) as (j0, _):
+            acc = [cgutils.alloca_once_value(builder, ir.Constant(_V16, [0.0] * 16)) for _ in range(16)]
+            with cgutils.for_range(builder, builder.udiv(D, c(16))) as loop:
+                d0 = builder.mul(loop.index, c(16))
+                q = _ir_load(builder, qa.data, d0, _V16, 4)
+                for j in range(16):
+                    k = _ir_load(builder, ka.data, builder.add(builder.mul(builder.add(j0, c(j)), D), d0), _V16, 4)
+                    builder.store(_ir_fma16(builder, q, k, builder.load(acc[j])), acc[j])
+            out = builder.bitcast(builder.gep(sa.data, [j0]), _V16.as_pointer())
+            builder.store(_ir_reduce16(builder, [builder.load(a) for a in acc]), out, align=4)
+        return context.get_dummy_value()
+
+    return types.none(qv, kb, sv), codegen
+
+
+@intrinsic
+def _add_rows(typingctx, a, pv, vb):
+    """a += sum_j pv[j] vb[j] over the rows of vb (keys, D), keys even and D a multiple of 64
+    (C-contiguous float32): per 64 columns, even and odd keys into 4 accumulators each."""
+    if not (_c_float_array(a, 1) and _c_float_array(pv, 1) and _c_float_array(vb, 2)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        aa, pa, va = (context.make_array(t)(context, builder, x) for t, x in zip(sig.args, args))
+        D = builder.extract_value(aa.shape, 0)
+        c = lambda v: ir.Constant(D.type, v)  # noqa: E731
+        with cgutils.for_range_slice(builder, c(0), D, c(64), inc=True) as (d0, _):
+            acc = [cgutils.alloca_once_value(builder, _ir_load(builder, aa.data, builder.add(d0, c(16 * k)), _V16, 4)
+                                             if e == 0 else ir.Constant(_V16, [0.0] * 16))
+                   for e in range(2) for k in range(4)]
+            with cgutils.for_range_slice(builder, c(0), builder.extract_value(pa.shape, 0), c(2), inc=True) as (j0, _):
+                for e in range(2):
+                    j = builder.add(j0, c(e))
+                    p = _ir_splat(builder, _ir_load(builder, pa.data, j, _F32T, 4), 16)
+                    row = builder.add(builder.mul(j, D), d0)
+                    for k in range(4):
+                        v = _ir_load(builder, va.data, builder.add(row, c(16 * k)), _V16, 4)
+                        builder.store(_ir_fma16(builder, p, v, builder.load(acc[4 * e + k])), acc[4 * e + k])
+            for k in range(4):
+                out = builder.bitcast(builder.gep(aa.data, [builder.add(d0, c(16 * k))]), _V16.as_pointer())
+                builder.store(builder.fadd(builder.load(acc[k]), builder.load(acc[4 + k]), flags=_FAST_FLAGS), out,
+                              align=4)
+        return context.get_dummy_value()
+
+    return types.none(a, pv, vb), codegen
+
+
 @njit(fastmath=_FASTMATH, cache=True, inline="always")
 def _score_block(qv, kb, sv):
-    """sv[j] = dot(qv, kb[j]) for the _BLOCK keys of kb (_BLOCK, D), four keys per pass over
-    qv (one load of the query for four dots). A key's sum is grouped the same in any caller."""
+    """sv[j] = dot(qv, kb[j]) for the _BLOCK keys of kb (_BLOCK, D): `_score_rows` where D is
+    a multiple of 16, else four keys per pass over qv (one load of the query for four dots).
+    A key's sum is grouped the same in any caller."""
+    if qv.shape[0] % 16 == 0:
+        _score_rows(qv, kb, sv)
+        return
     for j in range(0, _BLOCK, 4):
         d0 = d1 = d2 = d3 = np.float32(0.0)
         for d in range(qv.shape[0]):
@@ -104,8 +209,12 @@ def _score_block(qv, kb, sv):
 
 @njit(fastmath=_FASTMATH, cache=True, inline="always")
 def _add_values(a, pv, vb):
-    """a += sum_j pv[j] vb[j] over the _BLOCK values of vb (_BLOCK, D), four values per pass
-    over a (one load and store of the output for four rows); quads of zero weights skipped."""
+    """a += sum_j pv[j] vb[j] over the _BLOCK values of vb (_BLOCK, D): `_add_rows` where D
+    is a multiple of 64, else four values per pass over a (one load and store of the output
+    for four rows), quads of zero weights skipped."""
+    if a.shape[0] % 64 == 0:
+        _add_rows(a, pv, vb)
+        return
     for j in range(0, _BLOCK, 4):
         p0, p1, p2, p3 = pv[j], pv[j + 1], pv[j + 2], pv[j + 3]
         if p0 == 0 and p1 == 0 and p2 == 0 and p3 == 0:
