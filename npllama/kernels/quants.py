@@ -656,59 +656,41 @@ def _ir_block_term(builder, acc, d, lo, hi, xp, b):
 
 
 def _ir_min_term(builder, acc_m, m, sp, b):
-    """acc_m[0] += m * xsum[b] (acc_m: an <8 x float>): a block minimum's term."""
+    """Lane 0 of the <8 x float> at acc_m += m * xsum[b]: a block minimum's term."""
     mx = builder.fmul(m, _ir_load(builder, sp, b, _F32T, 4), flags=_FAST_FLAGS)
     _ir_accumulate(builder, acc_m, builder.insert_element(_ir_vec_zero(8), mx, _ir_i32(0)))
 
 
-def _block_q8_0(builder, rp, xp, sp, b, acc, acc_m):
-    # block (34 B): d f16 | qs int8[32];  w = d q
-    c = lambda v: ir.Constant(b.type, v)  # noqa: E731
-    o = builder.mul(b, c(34))
-    d = _ir_f16_fast(builder, _ir_load_f16(builder, rp, o))
-    lo, hi = (builder.sitofp(_ir_load(builder, rp, builder.add(o, c(2 + 16 * h)), _vec(_I8, 16), 1), _vec(_F32T, 16))
-              for h in range(2))
-    _ir_block_term(builder, acc, d, lo, hi, xp, b)
+def _ir_bytes(builder, rp, o):
+    """Two <16 x float>: the signed bytes rp[o : o + 16] and rp[o + 16 : o + 32] (Q8_0's quants)."""
+    return [builder.sitofp(_ir_load(builder, rp, builder.add(o, ir.Constant(o.type, 16 * h)), _vec(_I8, 16), 1),
+                           _vec(_F32T, 16)) for h in range(2)]
 
 
-def _block_q4_0(builder, rp, xp, sp, b, acc, acc_m):
-    # block (18 B): d f16 | qs u8[16] (element j: low nibble of qs[j], element j+16: high
-    # nibble);  w = d (q - 8)
-    o = builder.mul(b, ir.Constant(b.type, 18))
-    d = _ir_f16_fast(builder, _ir_load_f16(builder, rp, o))
-    lo, hi = _ir_nibbles(builder, rp, builder.add(o, ir.Constant(o.type, 2)), 8)
-    _ir_block_term(builder, acc, d, lo, hi, xp, b)
+def _block_32(size, has_m, unpack):
+    """The emitter of a 32-element block type: ``size`` bytes, d f16 (then m f16 where
+    ``has_m``: w = d q + m), then the quants, which ``unpack(builder, rp, o)`` turns into two
+    <16 x float> halves (biases subtracted: w = d (q - bias))."""
+    def block(builder, rp, xp, sp, b, acc, acc_m):
+        o = builder.mul(b, ir.Constant(b.type, size))
+        d = _ir_f16_fast(builder, _ir_load_f16(builder, rp, o))
+        lo, hi = unpack(builder, rp, builder.add(o, ir.Constant(o.type, 4 if has_m else 2)))
+        _ir_block_term(builder, acc, d, lo, hi, xp, b)
+        if has_m:
+            m = _ir_f16_fast(builder, _ir_load_f16(builder, rp, builder.add(o, ir.Constant(o.type, 2))))
+            _ir_min_term(builder, acc_m, m, sp, b)
+    return block
 
 
-def _block_q4_1(builder, rp, xp, sp, b, acc, acc_m):
-    # block (20 B): d f16 | m f16 | qs u8[16] (nibbles as Q4_0);  w = d q + m
-    c = lambda v: ir.Constant(b.type, v)  # noqa: E731
-    o = builder.mul(b, c(20))
-    d = _ir_f16_fast(builder, _ir_load_f16(builder, rp, o))
-    m = _ir_f16_fast(builder, _ir_load_f16(builder, rp, builder.add(o, c(2))))
-    lo, hi = _ir_nibbles(builder, rp, builder.add(o, c(4)), 0)
-    _ir_block_term(builder, acc, d, lo, hi, xp, b)
-    _ir_min_term(builder, acc_m, m, sp, b)
-
-
-def _block_q5_0(builder, rp, xp, sp, b, acc, acc_m):
-    # block (22 B): d f16 | qh u32 | 16 bytes of nibbles;  q = nib | bit << 4, w = d (q - 16)
-    c = lambda v: ir.Constant(b.type, v)  # noqa: E731
-    o = builder.mul(b, c(22))
-    d = _ir_f16_fast(builder, _ir_load_f16(builder, rp, o))
-    lo, hi = _ir_q5_halves(builder, rp, builder.add(o, c(2)), 16)
-    _ir_block_term(builder, acc, d, lo, hi, xp, b)
-
-
-def _block_q5_1(builder, rp, xp, sp, b, acc, acc_m):
-    # block (24 B): d f16 | m f16 | qh u32 | 16 bytes of nibbles;  w = d q + m
-    c = lambda v: ir.Constant(b.type, v)  # noqa: E731
-    o = builder.mul(b, c(24))
-    d = _ir_f16_fast(builder, _ir_load_f16(builder, rp, o))
-    m = _ir_f16_fast(builder, _ir_load_f16(builder, rp, builder.add(o, c(2))))
-    lo, hi = _ir_q5_halves(builder, rp, builder.add(o, c(4)), 0)
-    _ir_block_term(builder, acc, d, lo, hi, xp, b)
-    _ir_min_term(builder, acc_m, m, sp, b)
+# Q8_0 (34 B): d | qs int8[32]. Q4_0 (18 B): d | 16 bytes, element j the low nibble of byte j,
+# element j + 16 its high nibble, bias 8. Q4_1 (20 B): d | m | nibbles as Q4_0. Q5_0 (22 B):
+# d | qh u32 | nibbles as Q4_0, q = nibble | bit j of qh << 4, bias 16. Q5_1 (24 B): d | m |
+# qh | nibbles.
+_block_q8_0 = _block_32(34, False, _ir_bytes)
+_block_q4_0 = _block_32(18, False, lambda builder, rp, o: _ir_nibbles(builder, rp, o, 8))
+_block_q4_1 = _block_32(20, True, lambda builder, rp, o: _ir_nibbles(builder, rp, o, 0))
+_block_q5_0 = _block_32(22, False, lambda builder, rp, o: _ir_q5_halves(builder, rp, o, 16))
+_block_q5_1 = _block_32(24, True, lambda builder, rp, o: _ir_q5_halves(builder, rp, o, 0))
 
 
 def _block_k_4_5(builder, rp, xp, sp, b, acc, acc_m, five):
