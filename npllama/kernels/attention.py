@@ -187,10 +187,10 @@ def _add_rows(typingctx, a, pv, vb):
 
 @njit(fastmath=_FASTMATH, cache=True, inline="always")
 def _score_block(qv, kb, sv):
-    """sv[j] = dot(qv, kb[j]) for the _BLOCK keys of kb (_BLOCK, D): `_score_rows` where D is
-    a multiple of 16, else four keys per pass over qv (one load of the query for four dots).
-    A key's sum is grouped the same in any caller."""
-    if qv.shape[0] % 16 == 0:
+    """sv[j] = dot(qv, kb[j]) for the _BLOCK keys of kb (_BLOCK, D): `_score_rows` where D
+    (and _BLOCK) is a multiple of 16, else four keys per pass over qv (one load of the query for
+    four dots). A key's sum is grouped the same in any caller."""
+    if qv.shape[0] % 16 == 0 and kb.shape[0] % 16 == 0:
         _score_rows(qv, kb, sv)
         return
     for j in range(0, _BLOCK, 4):
@@ -210,9 +210,9 @@ def _score_block(qv, kb, sv):
 @njit(fastmath=_FASTMATH, cache=True, inline="always")
 def _add_values(a, pv, vb):
     """a += sum_j pv[j] vb[j] over the _BLOCK values of vb (_BLOCK, D): `_add_rows` where D
-    is a multiple of 64, else four values per pass over a (one load and store of the output
-    for four rows), quads of zero weights skipped."""
-    if a.shape[0] % 64 == 0:
+    is a multiple of 64 (and _BLOCK even), else four values per pass over a (one load and store
+    of the output for four rows), quads of zero weights skipped."""
+    if a.shape[0] % 64 == 0 and pv.shape[0] % 2 == 0:
         _add_rows(a, pv, vb)
         return
     for j in range(0, _BLOCK, 4):
