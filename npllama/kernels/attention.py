@@ -39,7 +39,7 @@ from numba.extending import intrinsic
 
 from .f16 import _ld, bits
 from .nn import _exp
-from .quants import _F32T, _FAST_FLAGS, _ir_call, _ir_load, _ir_splat, _shuffle, _vec
+from .quants import _F32T, _FAST_FLAGS, _ir_call, _ir_load, _ir_splat, _is_c_array, _shuffle, _vec
 
 # No 'nnan' / 'ninf': the kernels rely on -inf for removed keys and empty running maxima.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp", "afn"}
@@ -101,10 +101,6 @@ def _rescale(s, n, m, l, acc):
 _V16 = _vec(_F32T, 16)
 
 
-def _c_float_array(ty, ndim):
-    return isinstance(ty, types.Array) and ty.ndim == ndim and ty.layout == "C" and ty.dtype == types.float32
-
-
 def _ir_fma16(builder, a, b, c):
     return _ir_call(builder, "llvm.fma.v16f32", _V16, [a, b, c])
 
@@ -131,7 +127,7 @@ def _ir_reduce16(builder, vs):
 def _score_rows(typingctx, qv, kb, sv):
     """sv[j] = dot(qv, kb[j]) for every row j of kb (keys, D), keys a multiple of 16 and D of
     16 (C-contiguous float32)."""
-    if not (_c_float_array(qv, 1) and _c_float_array(kb, 2) and _c_float_array(sv, 1)):
+    if not (_is_c_array(qv, types.float32) and _is_c_array(kb, types.float32, 2) and _is_c_array(sv, types.float32)):
         return None
 
     def codegen(context, builder, sig, args):
@@ -157,7 +153,7 @@ def _score_rows(typingctx, qv, kb, sv):
 def _add_rows(typingctx, a, pv, vb):
     """a += sum_j pv[j] vb[j] over the rows of vb (keys, D), keys even and D a multiple of 64
     (C-contiguous float32): per 64 columns, even and odd keys into 4 accumulators each."""
-    if not (_c_float_array(a, 1) and _c_float_array(pv, 1) and _c_float_array(vb, 2)):
+    if not (_is_c_array(a, types.float32) and _is_c_array(pv, types.float32) and _is_c_array(vb, types.float32, 2)):
         return None
 
     def codegen(context, builder, sig, args):

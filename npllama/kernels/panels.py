@@ -73,7 +73,8 @@ from numba.extending import intrinsic
 
 from .f16 import _half_bits_to_f32
 from .nn import _glu1
-from .quants import _F32T, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q4_K, _Q5_0, _Q5_1, _Q8_0, _const_vec, _ir_call, _ir_load, _ir_splat, _shuffle, _vec
+from .quants import (_F32T, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q4_K, _Q5_0, _Q5_1, _Q8_0, _const_vec, _ir_call, _ir_load,
+                     _ir_splat, _is_c_array, _shuffle, _vec)
 from .quants_int8 import DOT_ISA, _ir_f16_vec, _quantize_x_q8
 
 __all__ = ["PANEL", "has_panels", "panel_shape", "pack_panels", "quantize_rows", "activation_rows", "matmul_panels"]
@@ -392,21 +393,18 @@ def _make_panel_dots(isa: str):
                     done = builder.add(done, builder.mul(count, ir.Constant(T.type, tt)))
         return context.get_dummy_value()
 
-    def c_array(ty, ndim, dtype):
-        return isinstance(ty, types.Array) and ty.ndim == ndim and ty.layout == "C" and ty.dtype == dtype
-
     def activations(xr):  # (xq, xd, xs, xi) int8, or (x,) float32
         if not isinstance(xr, types.BaseTuple):
             return False
         if len(xr) == 1:
-            return c_array(xr[0], 2, types.float32)
-        return (len(xr) == 4 and c_array(xr[0], 2, types.int8) and c_array(xr[1], 2, types.float32)
-                and c_array(xr[2], 2, types.float32) and c_array(xr[3], 2, types.int32))
+            return _is_c_array(xr[0], types.float32, 2)
+        return (len(xr) == 4 and _is_c_array(xr[0], types.int8, 2) and _is_c_array(xr[1], types.float32, 2)
+                and _is_c_array(xr[2], types.float32, 2) and _is_c_array(xr[3], types.int32, 2))
 
     @intrinsic
     def panel_dots(typingctx, code, panel, xr, tmp):
-        if not (isinstance(code, types.Integer) and c_array(panel, 1, types.uint8) and activations(xr)
-                and c_array(tmp, 2, types.float32)):
+        if not (isinstance(code, types.Integer) and _is_c_array(panel, types.uint8) and activations(xr)
+                and _is_c_array(tmp, types.float32, 2)):
             return None
         return types.none(code, panel, xr, tmp), codegen
 

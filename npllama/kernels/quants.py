@@ -220,8 +220,9 @@ def _ir_pair_dot(builder, lo, hi, xp, xo):
                         flags=_FAST_FLAGS)
 
 
-def _is_c_array(ty, dtype):
-    return isinstance(ty, types.Array) and ty.ndim == 1 and ty.layout == "C" and ty.dtype == dtype
+def _is_c_array(ty, dtype, ndim=1):
+    """Whether the Numba type `ty` is a C-contiguous array of `ndim` dimensions of `dtype`."""
+    return isinstance(ty, types.Array) and ty.ndim == ndim and ty.layout == "C" and ty.dtype == dtype
 
 
 # ---------------------------------------------------------------------------------------
