@@ -152,7 +152,7 @@ class DecodePlan:
             _decode_step(token, pos, n_chunks, self.buffer, self.panels, self.table, self.attn_norm, self.ffn_norm,
                          self.bq, self.bk, self.bv, self.q_norm, self.k_norm, self.post_attn, self.post_ffn,
                          self.lcfg, self.act, self.embd_scale, bits(kvs), pages, ps, cos, sin, cfg.rope_neox,
-                         self.eps, self.scale, cfg.n_head, m.output_norm, self.int8, logits, threads, self.offs,
+                         self.eps, self.scale, cfg.n_head, m.output_norm, logits, threads, self.offs,
                          *self._scratch_for(threads))
         return block.softcap(logits, cfg.softcap)
 
@@ -173,7 +173,7 @@ class DecodePlan:
                 np.empty(cfg.n_layer * chunks * KVH * G * D, np.float32),             # part_acc
                 np.empty(_slot(cfg.n_layer + 1, 0, threads), np.int64),               # ctr
                 np.empty((threads, n_f32), np.float32),
-                np.empty((threads, n_i8), np.int8),
+                np.empty((threads, n_i8), np.int8) if self.int8 else None,
                 np.empty((threads, _STEPS), np.int64),
             )
             self._scratch_threads = threads
@@ -191,23 +191,28 @@ def _item_rows(w):
 
 
 @njit(cache=True)
-def _prepare(x, int8, xsum, xq):
+def _prepare(x, xsum, xq):
     """The forms of an activation x that the products read: its int8 blocks xq = (values,
-    scales, sums, integer sums; as panels.quantize_rows) in int8 mode, else its block sums xsum."""
-    if int8:
+    scales, sums, integer sums; as panels.quantize_rows) in int8 mode, else (xq None) its
+    block sums xsum."""
+    if xq is None:
+        _block_sums(x, xsum)
+    else:
         qx, dx, sx, xi = xq
         n, nb = x.shape[0], x.shape[0] // 32
         _quantize_rows(x.reshape(1, n), qx.reshape(1, n), dx.reshape(1, nb), sx.reshape(1, nb), xi.reshape(1, nb))
-    else:
-        _block_sums(x, xsum)
 
 
 @njit(cache=True)
-def _rows(code, w, panels, r0, r1, x, xsum, xq, int8, row, tmp, out):
-    """out[r] = dot(row r of w, x) for r in r0..r1-1, by the int8 kernel where on and present
-    (row: float32 scratch as long as x, for types the float32 kernels dequantize first); with
-    ``panels`` (int8 mode only), w is a weight's panels and r0..r1 are panels, whose rows the
-    int8 panel kernel computes (tmp: (1, 16)). x's int8 form: xq (`_prepare`)."""
+def _rows(code, w, panels, r0, r1, x, xsum, xq, row, tmp, out):
+    """out[r] = dot(row r of w, x) for r in r0..r1-1, by the int8 kernel where x has an int8
+    form xq (`_prepare`; None in the exact mode, whose steps are compiled without the int8
+    kernels) and the type has one (row: float32 scratch as long as x, for types the float32
+    kernels dequantize first); with ``panels`` (int8 mode only), w is a weight's panels and
+    r0..r1 are panels, whose rows the int8 panel kernel computes (tmp: (1, 16))."""
+    if xq is None:
+        _rows_f32(code, w, r0, r1, x, xsum, row, out)
+        return
     qx, dx, sx, xi = xq
     if panels:
         n, nb = x.shape[0], x.shape[0] // 32
@@ -216,7 +221,7 @@ def _rows(code, w, panels, r0, r1, x, xsum, xq, int8, row, tmp, out):
             _panel_dots(code, w[p], xr, tmp)
             for i in range(min(PANEL, out.shape[0] - p * PANEL)):
                 out[p * PANEL + i] = tmp[0, i]
-    elif int8 and _has_i8(code):
+    elif _has_i8(code):
         _rows_i8(code, w, r0, r1, qx, dx, sx, out)
     else:
         _rows_f32(code, w, r0, r1, x, xsum, row, out)
@@ -233,7 +238,7 @@ def _weight(buffer, panels, entry):
 
 
 @njit(cache=True)
-def _product(ctr, slot, home, nr, code, w, pan, x, xsum, xq, int8, row, tmp, out, pair, code2, w2, out2, act):
+def _product(ctr, slot, home, nr, code, w, pan, x, xsum, xq, row, tmp, out, pair, code2, w2, out2, act):
     """Take items of ``out = W x`` from the phase at ``slot`` (``nr`` ranges, this thread's
     is ``home``) until none is left, and publish them. Returns the number of items. With
     ``pan``, w (and w2) are panels (`_rows`).
@@ -252,7 +257,7 @@ def _product(ctr, slot, home, nr, code, w, pan, x, xsum, xq, int8, row, tmp, out
         u0, u1 = i * per, min(units, (i + 1) * per)
         for half in range(2 if pair else 1):
             c, wh, o = (code, w, out) if half == 0 else (code2, w2, out2)
-            _rows(c, wh, pan, u0, u1, x, xsum, xq, int8, row, tmp, o)  # one call site: one copy of the kernels
+            _rows(c, wh, pan, u0, u1, x, xsum, xq, row, tmp, o)  # one call site: one copy of the kernels
         if pair:
             r0, r1 = (u0 * PANEL, min(rows, u1 * PANEL)) if pan else (u0, u1)
             _glu_row(out[r0:r1], out2[r0:r1], out[r0:r1], act)
@@ -309,7 +314,8 @@ def _private(f32, i8, n_embd, q_dim, n_ff, KVH, G, D):
     int8 `i8`, sized by `_private_sizes`): the residual stream x, the products' input h, a
     row to dequantize weights into, h's block sums, the int8 forms (values, block scales,
     block sums, integer block sums) of the normed x, of the attention output and of the
-    FFN's, the query, key and value, attention's scores and a panel's (1, 16) results."""
+    FFN's (None for each when `i8` is None: the exact mode), the query, key and value,
+    attention's scores and a panel's (1, 16) results."""
     n, m = _private_lengths(n_embd, q_dim, n_ff, KVH, G, D)
     x, at = _cut(f32, 0, n[0])
     h, at = _cut(f32, at, n[1])
@@ -329,6 +335,9 @@ def _private(f32, i8, n_embd, q_dim, n_ff, KVH, G, D):
     v, at = _cut(f32, at, n[15])
     s, at = _cut(f32, at, n[16])
     tmp, at = _cut(f32, at, n[17])
+    if i8 is None:
+        return (x, h, row, xsum, None, None, None, q.reshape(KVH, G, D), k.reshape(KVH, D), v.reshape(KVH, D),
+                s.reshape(KVH, G, _BLOCK), tmp.reshape(1, PANEL))
     qe, at = _cut(i8, 0, m[0])
     qa, at = _cut(i8, at, m[1])
     qf, at = _cut(i8, at, m[2])
@@ -339,7 +348,7 @@ def _private(f32, i8, n_embd, q_dim, n_ff, KVH, G, D):
 
 @njit(cache=True)
 def _worker(ctr, home, nr, token, pos, buffer, panels, table, attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm,
-            post_attn, post_ffn, lcfg, act, embd_scale, kvs, pages, ps, cos, sin, neox, eps, scale, H, out_norm, int8,
+            post_attn, post_ffn, lcfg, act, embd_scale, kvs, pages, ps, cos, sin, neox, eps, scale, H, out_norm,
             logits, res, offs, part_m, part_l, part_acc, f32, i8, n_items):
     """One thread's share of a decode step. Every thread keeps its own copy of the residual
     stream and of the small per-token values (norms, RoPE, quantized activations), computed
@@ -368,27 +377,27 @@ def _worker(ctr, home, nr, token, pos, buffer, panels, table, attn_norm, ffn_nor
             entry = table[li, step]
             if li == n_layer:  # the output head
                 _rmsnorm_row(x, out_norm, eps, he)
-                _prepare(he, int8, xsum, xe)
+                _prepare(he, xsum, xe)
                 out = logits
                 up, out_up = entry, out  # unused: no pair
             else:
                 if step == 0:
                     _rmsnorm_row(x, attn_norm[li], eps, he)
-                    _prepare(he, int8, xsum, xe)
+                    _prepare(he, xsum, xe)
                 elif step == 3:
                     _attention(ctr, home, nr, li, pos, res[li], offs, n_items, q, k, v, bq, bk, bv, q_norm, k_norm,
                                lcfg[li], eps, kvs[li], pages, ps, cos, sin, neox, scale, part_m[li], part_l[li],
                                part_acc[li], s, ha)
-                    _prepare(ha, int8, xsum, xa)
+                    _prepare(ha, xsum, xa)
                 elif step == 4:
                     _wait(ctr, _slot(li, 3, nr), nr, n_items[3])
                     _residual(x, res[li, offs[3]:offs[4]], post_attn, li, eps, he)
                     _rmsnorm_row(x, ffn_norm[li], eps, he)
-                    _prepare(he, int8, xsum, xe)
+                    _prepare(he, xsum, xe)
                 elif step == 6:
                     _wait(ctr, _slot(li, 4, nr), nr, n_items[4])
                     hf[:] = res[li, offs[4]:offs[5]]  # SwiGLU(gate, up), done by the items
-                    _prepare(hf, int8, xsum, xf)
+                    _prepare(hf, xsum, xf)
                 out = res[li, offs[step]:offs[step + 1]]
                 up, out_up = table[li, 5], res[li, offs[5]:offs[6]]  # the pair of step 4
             if step == 3:
@@ -398,7 +407,7 @@ def _worker(ctr, home, nr, token, pos, buffer, panels, table, attn_norm, ffn_nor
             else:
                 xin, xq = he, xe
             n_items[step] = _product(ctr, _slot(li, step, nr), home, nr, entry[0], _weight(buffer, panels, entry),
-                                     entry[4] == 1, xin, xsum, xq, int8, row, tmp, out, li < n_layer and step == 4,
+                                     entry[4] == 1, xin, xsum, xq, row, tmp, out, li < n_layer and step == 4,
                                      up[0], _weight(buffer, panels, up), out_up, act)
         if li < n_layer:
             _wait(ctr, _slot(li, 6, nr), nr, n_items[6])
@@ -479,10 +488,18 @@ def _attention(ctr, home, nr, li, pos, res, offs, n_items, q, k, v, bq, bk, bv, 
     _merge_chunks(part_m, part_l, part_acc, out.reshape(KVH, G, D))
 
 
+@njit(cache=True)
+def _row(a, i):
+    """a[i], or None for a None."""
+    if a is None:
+        return None
+    return a[i]
+
+
 @njit(parallel=True, cache=True)
 def _decode_step(token, pos, n_chunks, buffer, panels, table, attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm,
                  post_attn, post_ffn, lcfg, act, embd_scale, kvs, pages, ps, cos, sin, neox, eps, scale, H, out_norm,
-                 int8, logits, n_threads, offs, res, part_m, part_l, part_acc, ctr, f32, i8, n_items):
+                 logits, n_threads, offs, res, part_m, part_l, part_acc, ctr, f32, i8, n_items):
     """One token through every layer in one parallel region: each thread runs `_worker`, and
     the products and attention are shared out as work items (see npllama.workshare).
 
@@ -492,7 +509,8 @@ def _decode_step(token, pos, n_chunks, buffer, panels, table, attn_norm, ffn_nor
     ahead of one still reading the previous layer's results); part_m, part_l and part_acc,
     room for the attention chunks' states (flat: at least n_layer x n_chunks x KVH x G, x D
     for part_acc); ctr, the work counters (zeroed here); f32, i8 and n_items, one row per
-    thread."""
+    thread, i8 None in the exact mode (no int8 activations: the step is compiled without the
+    int8 kernels)."""
     n_layer = attn_norm.shape[0]
     KVH, D = kvs.shape[2], kvs.shape[4]
     G = H // KVH
@@ -504,4 +522,4 @@ def _decode_step(token, pos, n_chunks, buffer, panels, table, attn_norm, ffn_nor
     for home in prange(n_threads):
         _worker(ctr, home, n_threads, token, pos, buffer, panels, table, attn_norm, ffn_norm, bq, bk, bv, q_norm,
                 k_norm, post_attn, post_ffn, lcfg, act, embd_scale, kvs, pages, ps, cos, sin, neox, eps, scale, H,
-                out_norm, int8, logits, res, offs, pm, pl, pa, f32[home], i8[home], n_items[home])
+                out_norm, logits, res, offs, pm, pl, pa, f32[home], _row(i8, home), n_items[home])
