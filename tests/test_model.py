@@ -54,6 +54,32 @@ def test_single_token(tiny_model_path):
     check(tiny_model_path, ids=[42])
 
 
+@pytest.mark.parametrize("qtype", [QT.F16, QT.Q4_1, QT.Q5_0])
+@pytest.mark.parametrize("n", [1, 37])
+def test_exact_prefill_fused_products_are_bit_equal(tmp_path, qtype, n):
+    """The exact prefill computes q/k/v in one parallel region and gate/up with their GLU in
+    another (RowOps); its logits are the bits of one product at a time (block.Ops on
+    matmul_rows, then the GLU), for one token and for an odd count."""
+    from npllama.engine import block
+    from npllama.kernels.attention import attend
+    from npllama.kernels.nn import rmsnorm
+    from npllama.kernels.rows import matmul_rows
+    m = npllama.Model(write_tiny_llama(tmp_path / "m.gguf", qtype=qtype))
+    cfg, ids = m.config, np.array([(11 * i) % 250 for i in range(n)])
+    got = m.forward(ids, 0, m.new_cache(), all_logits=True)
+    cache = m.new_cache(n)
+
+    def attention(li, q, k, v, window):
+        cache.append(li, k, v)
+        return attend(q, cache.buffer(li), cache.layer_length(li), window=window, scale=cfg.attn_scale)
+
+    ops = block.Ops(cfg, matmul_rows, attention)
+    x = block.run_layers(m, block.embed(m, ids), np.arange(n), ops, n)
+    want = ops.product(m.output, rmsnorm(x, m.output_norm, cfg.rms_eps))
+    np.testing.assert_array_equal(got, want)
+    assert np.abs(got - naive.forward(m.file, list(ids))).max() <= 3e-2 * np.abs(got).max()
+
+
 @pytest.mark.parametrize("qtype", [QT.F32, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0])
 def test_token_by_token_decode_matches_reference(tmp_path, qtype):
     """The fused single-token decode path, for each family of product kernels."""

@@ -36,7 +36,8 @@ class Ops:
 
     def glu(self, gate, up, h):
         """act(h @ gate.T) * (h @ up.T), the FFN's hidden activations."""
-        return glu(self.product(gate, h), self.product(up, h), self.cfg.act)
+        g = self.product(gate, h)
+        return glu(g, self.product(up, h), self.cfg.act, out=g)
 
     def rope(self, x, positions, cos, sin):
         _rope(x, positions, cos, sin, self.cfg.rope_neox)
@@ -77,6 +78,7 @@ def run_layers(model, x: np.ndarray, positions: np.ndarray, ops: Ops, end: int) 
         a = ops.attention(li, q, k, v, cfg.layer_window[li])
         o = ops.product(L.wo, a.reshape(S, H * D))
         x += ops.norm(o, L.post_attn_norm) if cfg.post_norms else o
+        del q, k, v, a, o  # a long prompt's chunk: the FFN's activations are the peak
         h = ops.norm(x, L.ffn_norm)
         f = moe(cfg, L, h, ops) if cfg.n_expert else ops.product(L.w_down, ops.glu(L.w_gate, L.w_up, h))
         x += ops.norm(f, L.post_ffn_norm) if cfg.post_norms else f

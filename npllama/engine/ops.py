@@ -1,7 +1,9 @@
 """How the block's pieces are computed for many tokens at once (block.Ops' subclasses).
 
-`RowOps`: products by the row kernels of kernels/rows.py on the GGUF blocks (one parallel
-region for q/k/v, one for gate/up with the activation), serial per-token norms and RoPE.
+`RowOps`: the exact mode's prefill (a model whose products all take whole blocks of 32):
+products by the row kernels of kernels/rows.py on the GGUF blocks (one parallel region for
+q/k/v, one for gate/up with the activation, whose output is the FFN's only (T, n_ff) array),
+serial per-token norms and RoPE.
 
 `PanelOps`: the batched path's pieces (both modes) and the int8 mode's prefill; as RowOps,
 but the products of weights with panel kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K:
@@ -37,7 +39,7 @@ def _product_rows(w, h):
 
 
 class RowOps(block.Ops):
-    """The exact batched path's pieces (the module's docstring)."""
+    """The exact prefill's pieces (the module's docstring)."""
 
     def __init__(self, cfg, attention):
         super().__init__(cfg, _product_rows, attention)

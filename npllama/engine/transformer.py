@@ -26,7 +26,7 @@ from ..kernels.rope import Ropes
 from ..kernels.rows import matmul_rows as mm  # x @ W.T reading each weight row once, for a few to hundreds of rows
 from ..kernels.threads import check_threads, physical_cores, using_threads
 from . import block
-from .ops import PanelOps, fits_rows
+from .ops import PanelOps, RowOps, fits_rows
 
 __all__ = ["Transformer", "Layer", "QWeight"]
 
@@ -276,9 +276,12 @@ class Transformer:
             cache.append(li, k, v)
             return attend(q, cache.buffer(li), cache.layer_length(li), window=window, scale=cfg.attn_scale)
 
-        # int8 activations: products by the panel kernels where the weights have them
+        # int8 activations: products by the panel kernels where the weights have them; exact:
+        # the row kernels, q/k/v in one parallel region and gate/up with their GLU in another
         if self.activations == "int8" and fits_rows(cfg):
             ops = PanelOps(self, cached_attention, int8=True)
+        elif fits_rows(cfg):
+            ops = RowOps(cfg, cached_attention)
         else:
             ops = block.Ops(cfg, mm, cached_attention)
         x = block.run_layers(self, block.embed(self, ids), positions, ops, end)

@@ -8,7 +8,7 @@ products run at the FMA rate; with at most _FEW (3) rows, rows of the types with
 dot (all quantized types but the floats) are dotted straight from their blocks by the decode
 kernels' dots. Measured on 2 cores with SmolLM2-135M Q4_1, this beats the tiled-dequant +
 BLAS path (`quants.matmul`) at every T from 2 to 512: dequantizing whole weights into memory
-costs more than the BLAS products gain. The batched path's `RowOps` (engine/ops.py) is
+costs more than the BLAS products gain. The exact prefill's `RowOps` (engine/ops.py) is
 the block's pieces computed by these kernels.
 """
 from __future__ import annotations
