@@ -482,7 +482,7 @@ def test_matmul_rows_kernel_against_gguf_dequantize(qtype, T):
     data = _weight(qtype, rows, n, rng)
     x = _acts(T, n, rng)
     out = np.full((T, rows), np.nan, np.float32)
-    row_kernels._matmul_rows(int(qtype), data, x, out, 16)
+    row_kernels._matmul_rows(int(qtype), data, x, out)
     assert_close(out, data, qtype, x)
 
 
@@ -527,7 +527,7 @@ def test_qkv_rows_against_gguf_dequantize(types, T):
     ws = [_weight(t, r, n, rng) for t, r in zip(types, (13, 6, 5))]
     x = _acts(T, n, rng)
     outs = [np.full((T, d.shape[0]), np.nan, np.float32) for d in ws]
-    row_kernels._qkv_rows(int(types[0]), ws[0], int(types[1]), ws[1], int(types[2]), ws[2], x, *outs, 16)
+    row_kernels._qkv_rows(int(types[0]), ws[0], int(types[1]), ws[1], int(types[2]), ws[2], x, *outs)
     for out, data, qtype in zip(outs, ws, types):
         assert_close(out, data, qtype, x)
 
@@ -561,7 +561,7 @@ def test_gate_up_rows_against_float64_glu(types, act, T):
     f = {"silu": _silu, "gelu_tanh": _gelu_tanh}[act]
     ref = f(g) * u
     out = np.full((T, rows), np.nan, np.float32)
-    row_kernels._gate_up_rows(int(types[0]), wg, int(types[1]), wu, x, out, 16, ACTS[act])
+    row_kernels._gate_up_rows(int(types[0]), wg, int(types[1]), wu, x, out, ACTS[act])
     # error of each product (see test_products.assert_close), carried through act(g) * u
     # (|act'| <= 1.2, |act(g)| <= |g|), plus the kernels' exp approximation
     x64 = np.abs(x.astype(np.float64))

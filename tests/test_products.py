@@ -229,7 +229,7 @@ def test_prefill_rows_with_direct_dots(qtype, T):
     data = weight(qtype, 9, rng, blocks=2)
     x = rng.normal(size=(T, quants.row_elems(qtype, data.shape[1]))).astype(np.float32)
     out = np.full((T, 9), np.nan, np.float32)
-    rows._matmul_rows(int(qtype), data, x, out, 16)
+    rows._matmul_rows(int(qtype), data, x, out)
     assert_close(out, data, qtype, x)
 
 

@@ -59,6 +59,21 @@ def test_row_functions(qtype):
     assert_bit_exact(dst, gguf.quants.dequantize(data[0], qtype))
 
 
+@pytest.mark.parametrize("qtype", quants.SUPPORTED_TYPES, ids=lambda t: t.name)
+def test_vector_row_dequantizers(qtype):
+    """quants._deq_row_vec, which the prefill's row kernels dequantize their weight rows with:
+    vector code for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K, _deq_row for the
+    others; bit for bit gguf's, for rows of one block and of several (scales of any finite
+    float16, subnormals and both signs included)."""
+    rng = np.random.default_rng(int(qtype) + 500)
+    for blocks in (1, 3):
+        data = random_blocks(qtype, 5, blocks, rng)
+        out = np.full((5, quants.row_elems(qtype, data.shape[1])), np.nan, np.float32)
+        for r in range(5):
+            quants._deq_row_vec(int(qtype), data[r], out[r])
+        assert_bit_exact(out, gguf.quants.dequantize(data, qtype))
+
+
 def test_many_blocks_and_leading_dims():
     rng = np.random.default_rng(2)
     for qtype in (QT.Q4_1, QT.Q6_K, QT.F16):

@@ -34,7 +34,7 @@ def fits_rows(cfg) -> bool:
 def _product_rows(w, h):
     """h @ w.T by the row kernels (h: T contiguous float32 rows)."""
     out = np.empty((h.shape[0], w.rows), np.float32)
-    _matmul_rows(int(w.qtype), w.data, np.ascontiguousarray(h), out, 16)
+    _matmul_rows(int(w.qtype), w.data, np.ascontiguousarray(h), out)
     return out
 
 
@@ -57,12 +57,12 @@ class RowOps(block.Ops):
         q = np.empty((T, L.wq.rows), np.float32)
         k = np.empty((T, L.wk.rows), np.float32)
         v = np.empty((T, L.wv.rows), np.float32)
-        _qkv_rows(int(L.wq.qtype), L.wq.data, int(L.wk.qtype), L.wk.data, int(L.wv.qtype), L.wv.data, h, q, k, v, 16)
+        _qkv_rows(int(L.wq.qtype), L.wq.data, int(L.wk.qtype), L.wk.data, int(L.wv.qtype), L.wv.data, h, q, k, v)
         return q, k, v
 
     def glu(self, gate, up, h):
         out = np.empty((h.shape[0], gate.rows), np.float32)
-        _gate_up_rows(int(gate.qtype), gate.data, int(up.qtype), up.data, h, out, 16, self.act)
+        _gate_up_rows(int(gate.qtype), gate.data, int(up.qtype), up.data, h, out, self.act)
         return out
 
     def rope(self, x, positions, cos, sin):

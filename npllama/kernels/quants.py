@@ -879,6 +879,125 @@ _dot_row_q2_k = _make_block_dot("_dot_row_q2_k", _block_q2_k,
                                 "Dot of a Q2_K row of nb super-blocks with x[:256 nb] (xsum unused).")
 
 
+# ---------------------------------------------------------------------------------------
+# Dequantization of a row as LLVM IR, for the prefill's row kernels (rows.py), which
+# dequantize a few weight rows into float32 and dot each with every activation row. A
+# block's quants are unpacked as in the dots above; w = d q (+ m) then takes gguf's float32
+# roundings (a multiply, then an add: no fused multiply-add, no fast-math flags), so the
+# values are exactly _deq_row's, 16 or 32 floats a store, where _deq_row's loops run about
+# one element a cycle.
+# ---------------------------------------------------------------------------------------
+def _ir_store(builder, base, offset, v):
+    """Store the vector v at element ``offset`` of the float32 pointer ``base``."""
+    builder.store(v, builder.bitcast(builder.gep(base, [offset]), v.type.as_pointer()), align=4)
+
+
+def _deq_32(size, has_m, unpack):
+    """The dequantizer of one block of a 32-element block type (see _block_32)."""
+    def block(builder, rp, dp, b):
+        c = lambda v: ir.Constant(b.type, v)  # noqa: E731
+        o = builder.mul(b, c(size))
+        f16 = lambda at: _ir_splat(builder, _ir_f16_fast(builder, _ir_load_f16(builder, rp, at)), 16)  # noqa: E731
+        d = f16(o)
+        m = f16(builder.add(o, c(2))) if has_m else None
+        for h, q in enumerate(unpack(builder, rp, builder.add(o, c(4 if has_m else 2)))):
+            w = builder.fmul(d, q)
+            _ir_store(builder, dp, builder.add(builder.mul(b, c(32)), c(16 * h)), builder.fadd(w, m) if has_m else w)
+    return block
+
+
+def _deq_k_4_5(five):
+    """The dequantizer of one Q4_K (Q5_K with ``five``) super-block: w = (d sc_j) q - dmin min_j."""
+    def block(builder, rp, dp, b):
+        c = lambda v: ir.Constant(b.type, v)  # noqa: E731
+        o = builder.mul(b, c(176 if five else 144))
+        f16 = lambda at: _ir_splat(builder, _ir_f16_fast(builder, _ir_load_f16(builder, rp, at)), 8)  # noqa: E731
+        sc, mn = _ir_k_scales(builder, rp, builder.add(o, c(4)))
+        dl = builder.fmul(f16(o), builder.sitofp(sc, _vec(_F32T, 8)))
+        ml = builder.fmul(f16(builder.add(o, c(2))), builder.sitofp(mn, _vec(_F32T, 8)))
+        for j, q in enumerate(_ir_k_quants(builder, rp, o, five)):
+            w = builder.fmul(_ir_splat(builder, builder.extract_element(dl, _ir_i32(j)), 32),
+                             builder.sitofp(q, _vec(_F32T, 32)))
+            w = builder.fsub(w, _ir_splat(builder, builder.extract_element(ml, _ir_i32(j)), 32))
+            _ir_store(builder, dp, builder.add(builder.mul(b, c(256)), c(32 * j)), w)
+    return block
+
+
+def _deq_q6_k(builder, rp, dp, b):
+    """The dequantizer of one Q6_K super-block (laid out as in _block_q6_k): w = (d sc_s) (q - 32)."""
+    c = lambda v: ir.Constant(b.type, v)  # noqa: E731
+    o = builder.mul(b, c(210))
+    d = _ir_splat(builder, _ir_f16_fast(builder, _ir_load_f16(builder, rp, builder.add(o, c(208)))), 16)
+    sc = builder.sext(_ir_load(builder, rp, builder.add(o, c(192)), _vec(_I8, 16), 1), _vec(_I32, 16))
+    dl = builder.fmul(d, builder.sitofp(sc, _vec(_F32T, 16)))
+    for h in range(2):
+        ql = [_ir_load(builder, rp, builder.add(o, c(64 * h + 32 * i)), _vec(_I8, 32), 1) for i in range(2)]
+        qh = _ir_load(builder, rp, builder.add(o, c(128 + 32 * h)), _vec(_I8, 32), 1)
+        for k in range(4):
+            lo = _ir_b8(builder, ql[k & 1], "and", 15) if k < 2 else _ir_b8(builder, ql[k & 1], "lshr", 4)
+            hi = _ir_b8(builder, _ir_b8(builder, _ir_b8(builder, qh, "lshr", 2 * k), "and", 3), "shl", 4)
+            q = _ir_b8(builder, builder.or_(lo, hi), "sub", 32)
+            w = builder.fmul(_ir_halves(builder, dl, 8 * h + 2 * k), builder.sitofp(q, _vec(_F32T, 32)))
+            _ir_store(builder, dp, builder.add(builder.mul(b, c(256)), c(128 * h + 32 * k)), w)
+
+
+def _make_deq(name, block, elements):
+    """A row-dequantizing intrinsic ``(src, dst) -> None``: the dst.shape[0] // ``elements``
+    blocks of the uint8 row src into float32 dst (both C-contiguous), by the per-block IR
+    emitter ``block(builder, rp, dp, b)``."""
+    def typer(typingctx, src, dst):
+        if not (_is_c_array(src, types.uint8) and _is_c_array(dst, types.float32)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            rp, dp = (context.make_array(t)(context, builder, a).data for t, a in zip(sig.args, args))
+            n = builder.extract_value(context.make_array(sig.args[1])(context, builder, args[1]).shape, 0)
+            with cgutils.for_range(builder, builder.udiv(n, ir.Constant(n.type, elements))) as loop:
+                block(builder, rp, dp, loop.index)
+            return context.get_dummy_value()
+
+        return types.none(src, dst), codegen
+
+    typer.__name__ = typer.__qualname__ = name
+    return intrinsic(typer)
+
+
+_deq_vec_q8_0 = _make_deq("_deq_vec_q8_0", _deq_32(34, False, _ir_bytes), 32)
+_deq_vec_q4_0 = _make_deq("_deq_vec_q4_0", _deq_32(18, False, lambda builder, rp, o: _ir_nibbles(builder, rp, o, 8)), 32)
+_deq_vec_q4_1 = _make_deq("_deq_vec_q4_1", _deq_32(20, True, lambda builder, rp, o: _ir_nibbles(builder, rp, o, 0)), 32)
+_deq_vec_q5_0 = _make_deq("_deq_vec_q5_0", _deq_32(22, False, lambda builder, rp, o: _ir_q5_halves(builder, rp, o, 16)),
+                          32)
+_deq_vec_q5_1 = _make_deq("_deq_vec_q5_1", _deq_32(24, True, lambda builder, rp, o: _ir_q5_halves(builder, rp, o, 0)),
+                          32)
+_deq_vec_q4_k = _make_deq("_deq_vec_q4_k", _deq_k_4_5(False), 256)
+_deq_vec_q5_k = _make_deq("_deq_vec_q5_k", _deq_k_4_5(True), 256)
+_deq_vec_q6_k = _make_deq("_deq_vec_q6_k", _deq_q6_k, 256)
+
+
+@njit(cache=True)
+def _deq_row_vec(code, src, dst):
+    """Dequantize one row as `_deq_row` does, bit for bit, by the vector code above for Q8_0,
+    Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (src, dst: C-contiguous), else by _deq_row."""
+    if code == _Q4_1:
+        _deq_vec_q4_1(src, dst)
+    elif code == _Q8_0:
+        _deq_vec_q8_0(src, dst)
+    elif code == _Q4_0:
+        _deq_vec_q4_0(src, dst)
+    elif code == _Q5_0:
+        _deq_vec_q5_0(src, dst)
+    elif code == _Q5_1:
+        _deq_vec_q5_1(src, dst)
+    elif code == _Q4_K:
+        _deq_vec_q4_k(src, dst)
+    elif code == _Q5_K:
+        _deq_vec_q5_k(src, dst)
+    elif code == _Q6_K:
+        _deq_vec_q6_k(src, dst)
+    else:
+        _deq_row(code, src, dst)
+
+
 @intrinsic
 def _prefetch(typingctx, data, i):
     """Ask the CPU to bring the cache line of byte ``i`` of the C-contiguous uint8 array

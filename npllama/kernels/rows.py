@@ -2,8 +2,8 @@
 path's (batch.forward_batch) and prefill's products (Model.forward's `matmul_rows`).
 
 The row kernels read every weight once per call: each parallel task dequantizes _TILE (4)
-weight rows into a scratch that stays in L1 and dots them with all T activation rows (two at
-a time, eight running sums), so the dequantization is paid once per weight row and the T
+weight rows (by quants._deq_row_vec, vector code for the common types) into a scratch that stays in L1 and dots them with all T activation rows (four at
+a time, sixteen running sums), so the dequantization is paid once per weight row and the T
 products run at the FMA rate; with at most _FEW (3) rows, rows of the types with a direct
 dot (all quantized types but the floats) are dotted straight from their blocks by the decode
 kernels' dots. Measured on 2 cores with SmolLM2-135M Q4_1, this beats the tiled-dequant +
@@ -16,54 +16,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .f16 import _half_bits_to_f32
 from .nn import _glu1, _rmsnorm_row, _rope_row
-from .quants import _FAST, _Q4_0, _Q4_1, _Q8_0, _deq_row, _dot_row, _has_dot
+from .quants import _FAST, _deq_row_vec, _dot_row, _has_dot
 
 _FEW = 3          # up to this many rows, types with a direct dot dot the weight blocks directly
 _TILE = 4         # weight rows dequantized together in _matmul_rows
-
-
-@njit(fastmath=_FAST, cache=True, inline="always")
-def _half_at(src, o):
-    """The float16 at byte offset o of uint8 `src`, as float32 (hardware conversion)."""
-    return _half_bits_to_f32(np.uint32(src[o]) | (np.uint32(src[o + 1]) << 8))
-
-
-@njit(fastmath=_FAST, cache=True)
-def _deq_row_fast(code, src, dst, half):
-    """Dequantize one row; `half` (= 16, passed at run time) keeps LLVM from unrolling the
-    block's inner loop, so it is vectorised along the block instead of across blocks."""
-    nb = dst.shape[0] // 32
-    if code == _Q4_1:
-        for b in range(nb):
-            o = b * 20
-            y = b * 32
-            d = _half_at(src, o)
-            m = _half_at(src, o + 2)
-            for j in range(half):
-                q = np.int32(src[o + 4 + j])
-                dst[y + j] = d * np.float32(q & 15) + m
-                dst[y + half + j] = d * np.float32(q >> 4) + m
-    elif code == _Q4_0:
-        for b in range(nb):
-            o = b * 18
-            y = b * 32
-            d = _half_at(src, o)
-            for j in range(half):
-                q = np.int32(src[o + 2 + j])
-                dst[y + j] = d * np.float32((q & 15) - 8)
-                dst[y + half + j] = d * np.float32((q >> 4) - 8)
-    elif code == _Q8_0:
-        qs = src.view(np.int8)
-        for b in range(nb):
-            o = b * 34
-            y = b * 32
-            d = _half_at(src, o)
-            for j in range(2 * half):
-                dst[y + j] = np.float32(qs[o + 2 + j]) * d
-    else:
-        _deq_row(code, src, dst)
 
 
 @njit(cache=True)
@@ -82,14 +39,17 @@ def _block_sums(x):
 
 
 @njit(fastmath=_FAST, cache=True)
-def _tile(code, data, r0, x, xsum, out, o0, w, half):
+def _tile(code, data, r0, x, xsum, out, o0, w):
     """out[t, o0 + i] = dot(W[r0 + i], x[t]) for the (up to) _TILE weight rows from r0.
 
     With at most _FEW activation rows, rows of a type with a direct dot (`quants._has_dot`:
     Q4_0/Q4_1/Q8_0, Q5_0/Q5_1 and the K-quants) are dotted straight from their blocks (the
     decode kernels' dots; the row stays in L1 for the next activation row).
-    Otherwise the rows are dequantized into the scratch `w` (_TILE, n) and dotted with two
-    activation rows at a time (eight running sums): every dequantized value is used T times.
+    Otherwise the rows are dequantized into the scratch `w` (_TILE, n) and dotted with four
+    activation rows at a time (sixteen running sums: every load of a weight or of x feeds four
+    FMAs, and a long row's scratch is read T / 4 times): every dequantized value is used T
+    times. A last group of fewer than four rows repeats the last row, so every row's sums run
+    in the same loop whatever T is.
     """
     T, n = x.shape
     nr = min(_TILE, data.shape[0] - r0)
@@ -100,51 +60,60 @@ def _tile(code, data, r0, x, xsum, out, o0, w, half):
                 out[t, o0 + i] = _dot_row(code, row, x[t], xsum[t])
         return
     for i in range(nr):
-        _deq_row_fast(code, data[r0 + i], w[i], half)
+        _deq_row_vec(code, data[r0 + i], w[i])
     for i in range(nr, _TILE):
         w[i, :] = 0.0
     w0 = w[0]
     w1 = w[1]
     w2 = w[2]
     w3 = w[3]
-    t = 0
-    while t < T:
-        xa = x[t]
-        xb = x[t + 1] if t + 1 < T else x[t]
+    for t in range(0, T, 4):
+        xa, xb, xc, xd = x[t], x[min(t + 1, T - 1)], x[min(t + 2, T - 1)], x[min(t + 3, T - 1)]
         a0 = a1 = a2 = a3 = np.float32(0.0)
         b0 = b1 = b2 = b3 = np.float32(0.0)
+        c0 = c1 = c2 = c3 = np.float32(0.0)
+        d0 = d1 = d2 = d3 = np.float32(0.0)
         for j in range(n):
-            u = xa[j]
+            u0, u1, u2, u3 = w0[j], w1[j], w2[j], w3[j]
+            v = xa[j]
+            a0 += u0 * v
+            a1 += u1 * v
+            a2 += u2 * v
+            a3 += u3 * v
             v = xb[j]
-            a0 += w0[j] * u
-            a1 += w1[j] * u
-            a2 += w2[j] * u
-            a3 += w3[j] * u
-            b0 += w0[j] * v
-            b1 += w1[j] * v
-            b2 += w2[j] * v
-            b3 += w3[j] * v
-        for i, (a, b) in enumerate(((a0, b0), (a1, b1), (a2, b2), (a3, b3))):
+            b0 += u0 * v
+            b1 += u1 * v
+            b2 += u2 * v
+            b3 += u3 * v
+            v = xc[j]
+            c0 += u0 * v
+            c1 += u1 * v
+            c2 += u2 * v
+            c3 += u3 * v
+            v = xd[j]
+            d0 += u0 * v
+            d1 += u1 * v
+            d2 += u2 * v
+            d3 += u3 * v
+        for i, sums in enumerate(((a0, b0, c0, d0), (a1, b1, c1, d1), (a2, b2, c2, d2), (a3, b3, c3, d3))):
             if i < nr:
-                out[t, o0 + i] = a
-                if t + 1 < T:
-                    out[t + 1, o0 + i] = b
-        t += 2
+                for k in range(min(4, T - t)):
+                    out[t + k, o0 + i] = sums[k]
 
 
 @njit(parallel=True, fastmath=_FAST, cache=True)
-def _matmul_rows(code, data, x, out, half):
+def _matmul_rows(code, data, x, out):
     """out = x @ W.T for a GGUF weight W (rows, row_bytes) and a few rows x (T, n): one task
     per _TILE weight rows, so every weight byte is read once per call."""
     xsum = _block_sums(x)
     n_tiles = (data.shape[0] + _TILE - 1) // _TILE
     for c in prange(n_tiles):
         w = np.empty((_TILE, x.shape[1]), np.float32)
-        _tile(code, data, c * _TILE, x, xsum, out, c * _TILE, w, half)
+        _tile(code, data, c * _TILE, x, xsum, out, c * _TILE, w)
 
 
 @njit(parallel=True, fastmath=_FAST, cache=True)
-def _qkv_rows(cq, wq, ck, wk, cv, wv, x, q, k, v, half):
+def _qkv_rows(cq, wq, ck, wk, cv, wv, x, q, k, v):
     """q, k, v = x @ Wq.T, x @ Wk.T, x @ Wv.T in one parallel region over all their tiles."""
     xsum = _block_sums(x)
     tq = (wq.shape[0] + _TILE - 1) // _TILE
@@ -153,15 +122,15 @@ def _qkv_rows(cq, wq, ck, wk, cv, wv, x, q, k, v, half):
     for c in prange(tq + tk + tv):
         w = np.empty((_TILE, x.shape[1]), np.float32)
         if c < tq:
-            _tile(cq, wq, c * _TILE, x, xsum, q, c * _TILE, w, half)
+            _tile(cq, wq, c * _TILE, x, xsum, q, c * _TILE, w)
         elif c < tq + tk:
-            _tile(ck, wk, (c - tq) * _TILE, x, xsum, k, (c - tq) * _TILE, w, half)
+            _tile(ck, wk, (c - tq) * _TILE, x, xsum, k, (c - tq) * _TILE, w)
         else:
-            _tile(cv, wv, (c - tq - tk) * _TILE, x, xsum, v, (c - tq - tk) * _TILE, w, half)
+            _tile(cv, wv, (c - tq - tk) * _TILE, x, xsum, v, (c - tq - tk) * _TILE, w)
 
 
 @njit(parallel=True, fastmath=_FAST, cache=True)
-def _gate_up_rows(cg, wg, cu, wu, x, out, half, act):
+def _gate_up_rows(cg, wg, cu, wu, x, out, act):
     """out = act(x @ Wg.T) * (x @ Wu.T) in one parallel region (the GLU fused per tile; act:
     a code of kernels.ACTS)."""
     T = x.shape[0]
@@ -172,8 +141,8 @@ def _gate_up_rows(cg, wg, cu, wu, x, out, half, act):
         g = np.empty((T, _TILE), np.float32)
         u = np.empty((T, _TILE), np.float32)
         r0 = c * _TILE
-        _tile(cg, wg, r0, x, xsum, g, 0, w, half)
-        _tile(cu, wu, r0, x, xsum, u, 0, w, half)
+        _tile(cg, wg, r0, x, xsum, g, 0, w)
+        _tile(cu, wu, r0, x, xsum, u, 0, w)
         n = min(_TILE, wg.shape[0] - r0)
         for t in range(T):  # elementwise: a row slice per token would cost more than the GLU
             for i in range(n):
@@ -206,5 +175,5 @@ def matmul_rows(w, x: np.ndarray) -> np.ndarray:
     if x.shape[0] == 1 or not _small(w):
         return w @ x
     out = np.empty((x.shape[0], w.rows), np.float32)
-    _matmul_rows(int(w.qtype), w.data, x, out, 16)
+    _matmul_rows(int(w.qtype), w.data, x, out)
     return out
