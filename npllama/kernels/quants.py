@@ -741,26 +741,36 @@ def _block_q5_k(builder, rp, xp, sp, b, acc, acc_m):
     _block_k_4_5(builder, rp, xp, sp, b, acc, acc_m, True)
 
 
+def _ir_q6_k(builder, rp, o):
+    """The Q6_K super-block at byte o of row rp (210 B: ql 128 B | qh 64 B | scales i8[16] |
+    d f16): its 16 sub-block scales d sc_s (<16 x float>), and a generator of its 8 runs of 32
+    elements, each (first element, first sub-block s, quants q - 32 as <32 x float>): run k of
+    half h starts at 128h + 32k, s = 8h + 2k (s + 1 for its second 16), low bits from
+    ql[64h + 32(k & 1) :] (nibble k >> 1), high bits (qh[32h :] >> 2k) & 3."""
+    c = lambda v: ir.Constant(o.type, v)  # noqa: E731
+    d = _ir_splat(builder, _ir_f16_fast(builder, _ir_load_f16(builder, rp, builder.add(o, c(208)))), 16)
+    sc = builder.sext(_ir_load(builder, rp, builder.add(o, c(192)), _vec(_I8, 16), 1), _vec(_I32, 16))
+
+    def runs():
+        for h in range(2):
+            ql = [_ir_load(builder, rp, builder.add(o, c(64 * h + 32 * i)), _vec(_I8, 32), 1) for i in range(2)]
+            qh = _ir_load(builder, rp, builder.add(o, c(128 + 32 * h)), _vec(_I8, 32), 1)
+            for k in range(4):
+                lo = _ir_b8(builder, ql[k & 1], "and", 15) if k < 2 else _ir_b8(builder, ql[k & 1], "lshr", 4)
+                hi = _ir_b8(builder, _ir_b8(builder, _ir_b8(builder, qh, "lshr", 2 * k), "and", 3), "shl", 4)
+                q = _ir_b8(builder, builder.or_(lo, hi), "sub", 32)
+                yield 128 * h + 32 * k, 8 * h + 2 * k, builder.sitofp(q, _vec(_F32T, 32))
+
+    return builder.fmul(d, builder.sitofp(sc, _vec(_F32T, 16))), runs()
+
+
 def _block_q6_k(builder, rp, xp, sp, b, acc, acc_m):
-    # super-block (210 B): ql 128 B | qh 64 B | scales i8[16] | d f16. Half h, run k (32
-    # elements from 128h + 32k): low bits from ql[64h + 32(k & 1) :] (nibble k >> 1), high
-    # bits (qh[32h :] >> 2k) & 3;  w = d sc_s (q - 32), s = 8h + 2k (+1 for the run's second half)
-    c = lambda v: ir.Constant(b.type, v)  # noqa: E731
-    o = builder.mul(b, c(210))
-    d = _ir_f16_fast(builder, _ir_load_f16(builder, rp, builder.add(o, c(208))))
-    dl = _ir_i2f(builder, builder.sext(_ir_load(builder, rp, builder.add(o, c(192)), _vec(_I8, 16), 1),
-                                       _vec(_I32, 16)), d)
-    x0 = builder.mul(b, c(256))
-    for h in range(2):
-        ql = [_ir_load(builder, rp, builder.add(o, c(64 * h + 32 * i)), _vec(_I8, 32), 1) for i in range(2)]
-        qh = _ir_load(builder, rp, builder.add(o, c(128 + 32 * h)), _vec(_I8, 32), 1)
-        for k in range(4):
-            lo = _ir_b8(builder, ql[k & 1], "and", 15) if k < 2 else _ir_b8(builder, ql[k & 1], "lshr", 4)
-            hi = _ir_b8(builder, _ir_b8(builder, _ir_b8(builder, qh, "lshr", 2 * k), "and", 3), "shl", 4)
-            q = _ir_b8(builder, builder.or_(lo, hi), "sub", 32)
-            w = builder.fmul(_ir_halves(builder, dl, 8 * h + 2 * k), builder.sitofp(q, _vec(_F32T, 32)),
-                             flags=_FAST_FLAGS)
-            _ir_fma_x(builder, acc[k % len(acc)], w, xp, builder.add(x0, c(128 * h + 32 * k)))
+    # w = d sc_s (q - 32) for the runs of _ir_q6_k
+    dl, runs = _ir_q6_k(builder, rp, builder.mul(b, ir.Constant(b.type, 210)))
+    x0 = builder.mul(b, ir.Constant(b.type, 256))
+    for k, (e0, s, q) in enumerate(runs):
+        w = builder.fmul(_ir_halves(builder, dl, s), q, flags=_FAST_FLAGS)
+        _ir_fma_x(builder, acc[k % len(acc)], w, xp, builder.add(x0, ir.Constant(b.type, e0)))
 
 
 def _block_q3_k(builder, rp, xp, sp, b, acc, acc_m):
@@ -924,21 +934,11 @@ def _deq_k_4_5(five):
 
 
 def _deq_q6_k(builder, rp, dp, b):
-    """The dequantizer of one Q6_K super-block (laid out as in _block_q6_k): w = (d sc_s) (q - 32)."""
-    c = lambda v: ir.Constant(b.type, v)  # noqa: E731
-    o = builder.mul(b, c(210))
-    d = _ir_splat(builder, _ir_f16_fast(builder, _ir_load_f16(builder, rp, builder.add(o, c(208)))), 16)
-    sc = builder.sext(_ir_load(builder, rp, builder.add(o, c(192)), _vec(_I8, 16), 1), _vec(_I32, 16))
-    dl = builder.fmul(d, builder.sitofp(sc, _vec(_F32T, 16)))
-    for h in range(2):
-        ql = [_ir_load(builder, rp, builder.add(o, c(64 * h + 32 * i)), _vec(_I8, 32), 1) for i in range(2)]
-        qh = _ir_load(builder, rp, builder.add(o, c(128 + 32 * h)), _vec(_I8, 32), 1)
-        for k in range(4):
-            lo = _ir_b8(builder, ql[k & 1], "and", 15) if k < 2 else _ir_b8(builder, ql[k & 1], "lshr", 4)
-            hi = _ir_b8(builder, _ir_b8(builder, _ir_b8(builder, qh, "lshr", 2 * k), "and", 3), "shl", 4)
-            q = _ir_b8(builder, builder.or_(lo, hi), "sub", 32)
-            w = builder.fmul(_ir_halves(builder, dl, 8 * h + 2 * k), builder.sitofp(q, _vec(_F32T, 32)))
-            _ir_store(builder, dp, builder.add(builder.mul(b, c(256)), c(128 * h + 32 * k)), w)
+    """The dequantizer of one Q6_K super-block (_ir_q6_k): w = (d sc_s) (q - 32)."""
+    dl, runs = _ir_q6_k(builder, rp, builder.mul(b, ir.Constant(b.type, 210)))
+    for e0, s, q in runs:
+        at = builder.add(builder.mul(b, ir.Constant(b.type, 256)), ir.Constant(b.type, e0))
+        _ir_store(builder, dp, at, builder.fmul(_ir_halves(builder, dl, s), q))
 
 
 def _make_deq(name, block, elements):
