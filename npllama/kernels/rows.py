@@ -17,7 +17,7 @@ import numpy as np
 from numba import njit, prange
 
 from .nn import _glu1, _rmsnorm_row, _rope_row
-from .quants import _FAST, _deq_row_vec, _dot_row, _has_dot
+from .quants import _FAST, _block_sums as _row_block_sums, _deq_row_vec, _dot_row, _has_dot
 
 _FEW = 3          # up to this many rows, types with a direct dot dot the weight blocks directly
 _TILE = 4         # weight rows dequantized together in _matmul_rows
@@ -25,16 +25,14 @@ _TILE = 4         # weight rows dequantized together in _matmul_rows
 
 @njit(cache=True)
 def _block_sums(x):
-    """(T, n // 32) sums of each row of x over its 32-element blocks (Q4_1's offset term)."""
+    """(T, n // 32) sums of each row of x over its 32-element blocks (the minimum terms of the
+    direct dots), by the decode step's kernel (quants._block_sums), so that a row's products
+    take the same bits here as there. (A loop of its own, without fast-math flags of its own,
+    took those of its first caller, and Numba cached whichever that was.)"""
     T, n = x.shape
-    nb = n // 32
-    out = np.empty((T, nb), np.float32)
+    out = np.empty((T, n // 32), np.float32)
     for t in range(T):
-        for b in range(nb):
-            acc = np.float32(0.0)
-            for j in range(32):
-                acc += x[t, b * 32 + j]
-            out[t, b] = acc
+        _row_block_sums(x[t], out[t])
     return out
 
 
