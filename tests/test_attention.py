@@ -3,7 +3,7 @@ import pytest
 
 from numba import njit
 
-from npllama.kernels.attention import _BLOCK, _add_values, _score_block, attend, attend_kv
+from npllama.kernels.attention import _BLOCK, _add_values, _rescale, _score_block, attend, attend_kv
 from npllama.cache.kvcache import KVCache
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -88,6 +88,74 @@ def test_block_routines_match_numpy(D):
     np.testing.assert_allclose(s, scores, rtol=0, atol=2e-6 * (np.abs(kb) @ np.abs(q)).max())
     values = a0 + pv.astype(np.float64) @ vb.astype(np.float64)
     np.testing.assert_allclose(a, values, rtol=0, atol=2e-6 * (np.abs(a0) + np.abs(pv) @ np.abs(vb)).max())
+
+
+@pytest.mark.parametrize("R, G, D, n", [(1, 1, 64, 32), (1, 3, 64, 5), (8, 3, 40, 32), (2, 4, 256, 17),
+                                        (3, 1, 48, 0), (1, 5, 16, 1)])
+def test_online_softmax_step_matches_numpy(R, G, D, n):
+    """`_rescale` (four (row, head) pairs at a time in IR, the last group padded by repeating
+    its last pair) against float64 NumPy: the first n keys of a block folded into running
+    maxima (some -inf: no key seen yet) and sums, the running outputs rescaled, the scores
+    turned into weights (0 past n); a block with no key (n = 0) changes nothing but zeroes
+    its weights."""
+    rng = np.random.default_rng(R * 1000 + G * 100 + D + n)
+    s = rng.normal(0, 4, (R, G, _BLOCK)).astype(np.float32)
+    m = np.where(rng.random((R, G)) < 0.3, -np.inf, rng.normal(0, 4, (R, G))).astype(np.float32)
+    l = np.where(np.isinf(m), 0, rng.random((R, G)) * 5).astype(np.float32)
+    acc = np.where(np.isinf(m)[..., None], 0, rng.normal(size=(R, G, D))).astype(np.float32)
+    s64, m64, l64, acc64 = s[..., :n].astype(np.float64), m.astype(np.float64), l.astype(np.float64), acc.copy()
+    assert _rescale.targetoptions["fastmath"] is False  # fast-math flags would change nn._exp's roundings
+    _rescale(s, n, m, l, acc)
+    if n == 0:
+        m_new, corr, w = m64, np.ones_like(m64), np.zeros((R, G, _BLOCK))
+    else:
+        m_new = np.maximum(m64, s64.max(axis=2))
+        corr = np.exp(m64 - m_new)
+        w = np.zeros((R, G, _BLOCK))
+        w[..., :n] = np.exp(s64 - m_new[..., None])
+    np.testing.assert_array_equal(m, m_new.astype(np.float32))
+    # float32 exponentials (2 ulp) of float32 differences (each rounded: |x| 6e-8 relative)
+    np.testing.assert_allclose(s, w, rtol=3e-6, atol=1e-38)
+    np.testing.assert_allclose(acc, acc64 * corr[..., None], rtol=3e-6, atol=1e-38)
+    np.testing.assert_allclose(l, l64 * corr + w.sum(axis=2), rtol=5e-6)
+
+
+def test_vector_exp_is_exp_bit_for_bit():
+    """nn._ir_exp (the online softmax's exponentials) gives nn._exp's bits on every lane, over
+    the whole range, the clamps' edges, infinities and NaN; both within 2 ulp of np.exp."""
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic
+    from npllama.kernels.nn import _exp, _ir_exp
+
+    v16 = ir.VectorType(ir.FloatType(), 16)
+
+    @intrinsic
+    def exp16(typingctx, x, out):
+        def codegen(context, builder, sig, args):
+            xp, op = (context.make_array(t)(context, builder, a).data for t, a in zip(sig.args, args))
+            y = _ir_exp(builder, builder.load(builder.bitcast(xp, v16.as_pointer()), align=4))
+            builder.store(y, builder.bitcast(op, v16.as_pointer()), align=4)
+            return context.get_dummy_value()
+        return types.none(x, out), codegen
+
+    @njit
+    def both(x, vec, one):
+        for i in range(0, x.shape[0], 16):
+            exp16(x[i:i + 16], vec[i:i + 16])
+        for i in range(x.shape[0]):
+            one[i] = _exp(x[i])
+
+    rng = np.random.default_rng(0)
+    x = np.concatenate([np.linspace(-100, 100, 20000), rng.normal(0, 30, 20000),
+                        [np.inf, -np.inf, np.nan, 0.0, -0.0, 88.7, 88.8, 89.0, -87.3, -87.29, -87.31]])
+    x = np.concatenate([x, np.zeros(-len(x) % 16)]).astype(np.float32)
+    vec, one = np.empty_like(x), np.empty_like(x)
+    both(x, vec, one)
+    np.testing.assert_array_equal(vec.view(np.uint32)[~np.isnan(x)], one.view(np.uint32)[~np.isnan(x)])
+    assert np.isnan(vec[np.isnan(x)]).all() and np.isnan(one[np.isnan(x)]).all()
+    inside = (x > -87.0) & (x < 88.0)
+    np.testing.assert_allclose(one[inside], np.exp(x[inside].astype(np.float64)), rtol=2.5e-7)
 
 
 def test_explicit_offset():

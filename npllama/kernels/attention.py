@@ -38,8 +38,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .f16 import _ld, bits
-from .nn import _exp
-from .quants import _F32T, _FAST_FLAGS, _ir_call, _ir_load, _ir_splat, _is_c_array, _shuffle, _vec
+from .nn import _exp, _ir_exp
+from .quants import _F32T, _FAST_FLAGS, _ir_call, _ir_hsum, _ir_load, _ir_splat, _is_c_array, _shuffle, _vec
 
 # No 'nnan' / 'ninf': the kernels rely on -inf for removed keys and empty running maxima.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp", "afn"}
@@ -52,40 +52,103 @@ _NO_MASK = np.zeros((0, 0), dtype=np.float32)  # stand-ins for absent options, t
 _NO_ALIBI = np.zeros(0, dtype=np.float32)
 
 
-@njit(fastmath=_FASTMATH, cache=True)
+@intrinsic
+def _rescale_rows(typingctx, s, n, m, l, acc):
+    """`_rescale` as LLVM IR: four (row, head) pairs at a time in straight-line code, so that
+    their dependency chains (the block's maximum, the exponentials, the sums) overlap, where a
+    loop over one pair at a time waited on each. A group short of four repeats its last pair,
+    which is harmless because every load of a group comes before any of its stores. The
+    exponentials are nn._exp's bit for bit (nn._ir_exp); a block's sum of weights is a fixed
+    tree over its lanes, the same in every caller."""
+    f32 = types.float32
+    if not (_is_c_array(s, f32, 3) and isinstance(n, types.Integer) and _is_c_array(m, f32, 2)
+            and _is_c_array(l, f32, 2) and _is_c_array(acc, f32, 3)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        sa, ma, la, aa = (context.make_array(t)(context, builder, a)
+                          for t, a in zip((sig.args[0], *sig.args[2:]), (args[0], *args[2:])))
+        intp = context.get_value_type(types.intp)
+        c = lambda v: ir.Constant(intp, v)  # noqa: E731
+        cf = lambda v, k=16: ir.Constant(_vec(_F32T, k), [v] * k)  # noqa: E731
+        rows = builder.mul(builder.extract_value(sa.shape, 0), builder.extract_value(sa.shape, 1))
+        D = builder.extract_value(aa.shape, 2)
+        nn = builder.trunc(context.cast(builder, args[1], sig.args[1], types.intp), ir.IntType(32))
+        i32v = _vec(ir.IntType(32), 16)
+        ninf = float("-inf")
+        with cgutils.for_range_slice(builder, c(0), rows, c(4), inc=True) as (r0, _):
+            last = builder.sub(rows, c(1))
+            rr = [builder.select(builder.icmp_signed("<", builder.add(r0, c(u)), rows), builder.add(r0, c(u)), last)
+                  for u in range(4)]
+            blocks, m_old, l_old, m_new, empty = [], [], [], [], []
+            for r in rr:  # loads, the block's maximum and the new running maximum
+                vs = []
+                for v in range(_BLOCK // 16):
+                    x = _ir_load(builder, sa.data, builder.add(builder.mul(r, c(_BLOCK)), c(16 * v)), _V16, 4)
+                    seen = builder.icmp_signed("<", ir.Constant(i32v, list(range(16 * v, 16 * v + 16))),
+                                               _ir_splat(builder, nn, 16))
+                    vs.append(builder.select(seen, x, cf(ninf)))
+                mx = vs[0]
+                for x in vs[1:]:
+                    mx = builder.select(builder.fcmp_ordered(">", x, mx), x, mx)
+                for width in (8, 4, 2, 1):
+                    hi = _shuffle(builder, mx, mx, list(range(width, 2 * width)) + [0] * (16 - width))
+                    mx = builder.select(builder.fcmp_ordered(">", hi, mx), hi, mx)
+                bmax = builder.extract_element(mx, ir.Constant(ir.IntType(32), 0))
+                mo = _ir_load(builder, ma.data, r, _F32T, 4)
+                blocks.append(vs)
+                m_old.append(mo)
+                l_old.append(_ir_load(builder, la.data, r, _F32T, 4))
+                m_new.append(builder.select(builder.fcmp_ordered(">", bmax, mo), bmax, mo))
+                empty.append(builder.fcmp_ordered("==", bmax, ir.Constant(_F32T, ninf)))
+            diff = ir.Constant(_vec(_F32T, 4), [0.0] * 4)
+            for u in range(4):
+                diff = builder.insert_element(diff, builder.fsub(m_old[u], m_new[u]), ir.Constant(ir.IntType(32), u))
+            corr_v = _ir_exp(builder, diff)
+            corr = []
+            for u, r in enumerate(rr):  # the weights, their sum, the running sum and maximum
+                cu = builder.select(empty[u], ir.Constant(_F32T, 1.0),
+                                    builder.extract_element(corr_v, ir.Constant(ir.IntType(32), u)))
+                corr.append(cu)
+                mn = _ir_splat(builder, m_new[u], 16)
+                ps = [builder.select(empty[u], cf(0.0), _ir_exp(builder, builder.fsub(x, mn))) for x in blocks[u]]
+                total = ps[0]
+                for p in ps[1:]:
+                    total = builder.fadd(total, p)
+                for v, p in enumerate(ps):
+                    out = builder.gep(sa.data, [builder.add(builder.mul(r, c(_BLOCK)), c(16 * v))])
+                    builder.store(p, builder.bitcast(out, _V16.as_pointer()), align=4)
+                tsum = _ir_hsum(builder, total)
+                l_new = builder.fadd(builder.fmul(l_old[u], cu), tsum)
+                builder.store(l_new, builder.gep(la.data, [r]))
+                builder.store(m_new[u], builder.gep(ma.data, [r]))
+            d16 = builder.mul(builder.udiv(D, c(16)), c(16))
+            for lo, hi, step, ty in ((c(0), d16, 16, _V16), (d16, D, 1, _F32T)):  # acc *= corr
+                with cgutils.for_range_slice(builder, lo, hi, c(step), inc=True) as (d, _):
+                    at = [builder.add(builder.mul(r, D), d) for r in rr]
+                    vals = [_ir_load(builder, aa.data, a, ty, 4) for a in at]
+                    for a, x, cu in zip(at, vals, corr):
+                        k = _ir_splat(builder, cu, 16) if step == 16 else cu
+                        builder.store(builder.fmul(x, k), builder.bitcast(builder.gep(aa.data, [a]), ty.as_pointer()),
+                                      align=4)
+        return context.get_dummy_value()
+
+    return types.none(s, n, m, l, acc), codegen
+
+
+@njit(fastmath=False, cache=True)
 def _rescale(s, n, m, l, acc):
     """One online-softmax step: fold the scores s[:, :, :n] of a block of keys into the running
-    max m and sum l (R, G), rescale the running output acc (R, G, D), and turn s into the
-    block's weights exp(s - m). A row that sees no key of the block gets zero weights.
+    max m and sum l (R, G), rescale the running output acc (R, G, D), and turn s (R, G,
+    _BLOCK) into the block's weights exp(s - m). A row that sees no key of the block gets
+    zero weights. By `_rescale_rows`, in a function of its own without fast-math flags, which
+    Numba would otherwise add to the IR's every float operation: nn._exp's results depend on
+    its roundings.
 
-    The loops run over the whole scratch (s.shape[2] keys), those past n weighing 0: so a row's
+    Every row runs over the whole scratch (_BLOCK keys), those past n weighing 0: so a row's
     sums are grouped the same however many keys the block holds, and its results do not
     depend on how many rows share its task (a query alone, or in a prefill block)."""
-    R, G, B = s.shape
-    neg_inf = np.float32(-np.inf)
-    for r in range(R):
-        for gh in range(G):
-            for j in range(n, B):
-                s[r, gh, j] = neg_inf
-            bmax = neg_inf
-            for j in range(B):
-                bmax = max(bmax, s[r, gh, j])
-            if bmax == neg_inf:
-                for j in range(B):
-                    s[r, gh, j] = 0.0
-                continue
-            m_new = max(m[r, gh], bmax)
-            corr = _exp(m[r, gh] - m_new)
-            l[r, gh] *= corr
-            for d in range(acc.shape[2]):
-                acc[r, gh, d] *= corr
-            total = np.float32(0.0)
-            for j in range(B):
-                p = _exp(s[r, gh, j] - m_new)
-                s[r, gh, j] = p
-                total += p
-            l[r, gh] += total
-            m[r, gh] = m_new
+    _rescale_rows(s, n, m, l, acc)
 
 
 # ---------------------------------------------------------------------------------------

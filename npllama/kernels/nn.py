@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..errors import ContextOverflowError
@@ -56,6 +57,30 @@ def _exp(x):
     n_lo = np.int32(n) >> 1
     y = ((p * r) * r + r + np.float32(1.0)) * _pow2(n_lo) * _pow2(np.int32(n) - n_lo)
     return np.float32(0.0) if x < np.float32(-87.3) else y
+
+
+def _ir_exp(builder, x):
+    """`_exp` of every lane of the float vector x as LLVM IR, bit for bit (the same operations
+    in the same order, no fast-math flags; NaN stays NaN, -inf and x < -87.3 give 0)."""
+    n = x.type.count
+    vf, vi = ir.VectorType(ir.FloatType(), n), ir.VectorType(ir.IntType(32), n)
+    c = lambda v: ir.Constant(vf, [float(np.float32(v))] * n)  # noqa: E731
+    ci = lambda v: ir.Constant(vi, [v] * n)  # noqa: E731
+    low = builder.fcmp_ordered("<", x, c(-87.3))
+    xc = builder.select(low, c(-87.3), x)
+    xc = builder.select(builder.fcmp_ordered(">", xc, c(88.8)), c(88.8), xc)
+    floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf]), f"llvm.floor.v{n}f32")
+    t = builder.call(floor, [builder.fadd(builder.fmul(xc, c(_LOG2E)), c(0.5))])
+    r = builder.fsub(builder.fsub(xc, builder.fmul(t, c(_LN2_HI))), builder.fmul(t, c(_LN2_LO)))
+    p = c(1.0 / 5040.0)
+    for k in (1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5):
+        p = builder.fadd(builder.fmul(p, r), c(k))
+    e = builder.fptosi(t, vi)
+    e_lo = builder.ashr(e, ci(1))
+    pow2 = lambda k: builder.bitcast(builder.shl(builder.add(k, ci(127)), ci(23)), vf)  # noqa: E731
+    y = builder.fadd(builder.fadd(builder.fmul(builder.fmul(p, r), r), r), c(1.0))
+    y = builder.fmul(builder.fmul(y, pow2(e_lo)), pow2(builder.sub(e, e_lo)))
+    return builder.select(low, c(0.0), y)
 
 
 @njit(cache=True, fastmath=_FM)
