@@ -1,15 +1,16 @@
-"""Products and small kernels over a few to a few hundred activation rows: the batched
-path's (batch.forward_batch) and prefill's products (Model.forward's `matmul_rows`).
+"""Products and small kernels over a few to a few hundred activation rows: the exact prefill's
+(engine/ops.py's RowOps; `matmul_rows` where a model has products not on whole blocks) and the
+batched path's for weights without panels.
 
 The row kernels read every weight once per call: each parallel task dequantizes _TILE (4)
-weight rows (by quants._deq_row_vec, vector code for the common types) into a scratch that stays in L1 and dots them with all T activation rows (four at
-a time, sixteen running sums), so the dequantization is paid once per weight row and the T
-products run at the FMA rate; with at most _FEW (3) rows, rows of the types with a direct
-dot (all quantized types but the floats) are dotted straight from their blocks by the decode
-kernels' dots. Measured on 2 cores with SmolLM2-135M Q4_1, this beats the tiled-dequant +
-BLAS path (`quants.matmul`) at every T from 2 to 512: dequantizing whole weights into memory
-costs more than the BLAS products gain. The exact prefill's `RowOps` (engine/ops.py) is
-the block's pieces computed by these kernels.
+weight rows (quants._deq_row_vec: vector code for the common types) into a scratch that stays
+in L1 and dots them with all T activation rows (four at a time, sixteen running sums), so the
+dequantization is paid once per weight row and the T products run at the FMA rate; with at most
+_FEW (3) rows, rows of the types with a direct dot (all quantized types but the floats) are
+dotted straight from their blocks by the decode kernels' dots. Measured on 2 cores with
+SmolLM2-135M Q4_1, this beats the tiled-dequant + BLAS path (`quants.matmul`) at every T from 2
+to 512: dequantizing whole weights into memory costs more than the BLAS products gain. The
+exact prefill's `RowOps` (engine/ops.py) is the block's pieces computed by these kernels.
 """
 from __future__ import annotations
 
