@@ -233,6 +233,21 @@ def test_prefill_rows_with_direct_dots(qtype, T):
     assert_close(out, data, qtype, x)
 
 
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K],
+                         ids=lambda t: t.name)
+def test_prefill_rows_dequantize_exactly(qtype):
+    """The row kernels' tiles (fast-math code) dequantize their weight rows exactly as gguf
+    does (quants._deq_row_vec keeps its own roundings: no fused d q + m): products with the
+    identity, one activation row per element, are the dequantized weights."""
+    from npllama.kernels import rows
+    rng = np.random.default_rng(int(qtype) + 90)
+    data = weight(qtype, 5, rng, blocks=2)
+    n = quants.row_elems(qtype, data.shape[1])
+    out = np.empty((n, 5), np.float32)
+    rows._matmul_rows(int(qtype), data, np.eye(n, dtype=np.float32), out)
+    np.testing.assert_array_equal(out.T, gguf.quants.dequantize(data, qtype))
+
+
 @njit
 def _dot_row(code, row, x, xsum):
     return quants._dot_row(code, row, x, xsum)

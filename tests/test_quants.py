@@ -153,7 +153,7 @@ def test_exact_kernels_never_inherit_fastmath():
     fast-math caller (the fused decode step, say), and caches that version: the kernels that
     must be exact set fastmath=False themselves."""
     from npllama.kernels import quants_int8
-    exact = [quants._deq_row, quants._dequantize_rows, quants._f16_at, quants._k_scale_min,
+    exact = [quants._deq_row, quants._deq_row_vec, quants._dequantize_rows, quants._f16_at, quants._k_scale_min,
              quants_int8._quantize_x_q8]
     exact += [s.row_fn for s in quants._REGISTRY.values()]
     for fn in exact:

@@ -974,10 +974,12 @@ _deq_vec_q5_k = _make_deq("_deq_vec_q5_k", _deq_k_4_5(True), 256)
 _deq_vec_q6_k = _make_deq("_deq_vec_q6_k", _deq_q6_k, 256)
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _deq_row_vec(code, src, dst):
     """Dequantize one row as `_deq_row` does, bit for bit, by the vector code above for Q8_0,
-    Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (src, dst: C-contiguous), else by _deq_row."""
+    Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (src, dst: C-contiguous), else by _deq_row.
+    Without fast-math flags of its own, it would take its first caller's (the row kernels'),
+    which would fuse d q + m into one rounding."""
     if code == _Q4_1:
         _deq_vec_q4_1(src, dst)
     elif code == _Q8_0:
