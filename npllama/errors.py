@@ -1,5 +1,16 @@
 """The exceptions npllama raises on purpose. Each is a ValueError, so callers that catch
-bad input generically keep working, and each message says what was wrong and what to do."""
+bad input generically keep working, and each message says what was wrong and what to do;
+`show` puts a caller's value into such a message."""
+import reprlib
+
+
+def show(value) -> str:
+    """A short repr of a value for an error message, that never fails and stays short however
+    deep, cyclic or huge the value (a message must not grow with a hostile input)."""
+    try:
+        return reprlib.repr(value)
+    except Exception:  # noqa: BLE001 - e.g. an int too long to print
+        return f"<{type(value).__name__}>"
 
 
 class GGUFError(ValueError):

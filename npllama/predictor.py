@@ -28,9 +28,9 @@ import numpy as np
 
 from .engine.session import check_ctx
 from .engine.transformer import _kv_dtype
-from .errors import BadRowError
+from .errors import BadRowError, show
 from .generation.generate import SAMPLING_KEYS, check_max_tokens, check_stop, fit_prompt, prompt_ids
-from .generation.sampling import SamplingParams, _show
+from .generation.sampling import SamplingParams
 from .gguf.hub import resolve_model
 from .kernels.threads import check_threads, threads_from_environment, using_threads
 from .model import Model
@@ -72,12 +72,12 @@ class BatchPredictor:
                  input_column="prompt", output_column=None, threads: int | None = None,
                  activations: str = "f32", kv_dtype=None, **options):
         if task not in OUTPUT_COLUMNS:
-            raise ValueError(f"task must be one of {', '.join(map(repr, OUTPUT_COLUMNS))}, got {_show(task)}")
+            raise ValueError(f"task must be one of {', '.join(map(repr, OUTPUT_COLUMNS))}, got {show(task)}")
         output_column = OUTPUT_COLUMNS[task] if output_column is None else output_column
         if output_column == input_column:
             raise ValueError(f"output_column {output_column!r} is the input column; name the output differently")
         if activations not in ("f32", "int8"):
-            raise ValueError(f"activations must be 'f32' or 'int8', got {_show(activations)}")
+            raise ValueError(f"activations must be 'f32' or 'int8', got {show(activations)}")
         if task in ("embed", "score") and options:
             raise TypeError(f"task {task!r} takes no generation options, got {', '.join(sorted(options))}")
         for name in _NOT_IN_A_BATCH:
@@ -199,7 +199,7 @@ class _Rows:
         if self.labels is not None:
             key = self.labels[i]
             label = f" (index {(key.item() if isinstance(key, np.generic) else key)!r})"
-        raise BadRowError(f"row {i}{label} of the batch, column {self.column!r}, value {_show(self.values[i])}: "
+        raise BadRowError(f"row {i}{label} of the batch, column {self.column!r}, value {show(self.values[i])}: "
                           f"{problem}. Every row must be valid; filter or fix the bad rows before this step", row=i)
 
     def text(self, i: int, value) -> str:
@@ -207,7 +207,7 @@ class _Rows:
                 isinstance(value, float) and value != value):
             self.fail(i, f"the value is missing ({value})")
         if not isinstance(value, str):
-            self.fail(i, f"expected a string, got {type(value).__name__} {_show(value)}")
+            self.fail(i, f"expected a string, got {type(value).__name__} {show(value)}")
         if not value:
             self.fail(i, "the text is empty")
         return value
@@ -219,7 +219,7 @@ class _Rows:
         if isinstance(value, (list, tuple, np.ndarray)) and len(value) and all(isinstance(m, Mapping) for m in value):
             return [dict(m) for m in value]
         self.fail(i, f"expected a message string or a non-empty list of {{'role', 'content'}} messages, "
-                     f"got {type(value).__name__} {_show(value)}")
+                     f"got {type(value).__name__} {show(value)}")
 
     def run(self, i: int, fn, *args):
         """fn(*args), its ValueError (the engine's word on bad input) turned into this row's."""

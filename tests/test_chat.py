@@ -42,6 +42,16 @@ def test_invalid_messages(messages, message):
         format_chat(CHATML_TEMPLATE, messages)
 
 
+def test_a_huge_bad_role_gives_a_short_message():
+    """A role that is a container of megabyte strings (the chat fuzz target's finding,
+    tests/fuzz_corpus/chat/regress-7343b47c22ae) is shown cut short: the message once held its
+    whole repr, 144 MB built in 2 s."""
+    role = {b"k": {"|" * 2**20: ["x" * 2**20] * 100}}
+    with pytest.raises(ValueError) as e:
+        validate_messages([{"role": role, "content": "hi"}])
+    assert str(e.value).startswith("message 0 has role {b'k': {") and len(str(e.value)) < 400
+
+
 def test_valid_messages_keep_extra_keys():
     messages = [{"role": "system", "content": ""}, {"role": "tool", "content": "42", "name": "calc"}]
     validate_messages(messages)

@@ -12,9 +12,9 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from ..errors import ContextOverflowError
+from ..errors import ContextOverflowError, show
 from ..text.tokenizer import StreamDecoder
-from .sampling import GREEDY, Sampler, SamplingParams, _show, make_sampler
+from .sampling import GREEDY, Sampler, SamplingParams, make_sampler
 
 
 @dataclass
@@ -71,7 +71,7 @@ class _StopScanner:
 
 def _count(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {_show(value)}")
+        raise ValueError(f"{name} must be a non-negative integer, got {show(value)}")
     return int(value)
 
 
@@ -113,7 +113,7 @@ def check_stop(stop) -> list[str]:
     if isinstance(stop, str):
         return [stop]
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-        raise ValueError(f"stop must be a string or a list of strings, got {_show(stop)}")
+        raise ValueError(f"stop must be a string or a list of strings, got {show(stop)}")
     return list(stop)
 
 

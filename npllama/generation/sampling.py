@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 import numbers
-import reprlib
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
+
+from ..errors import show
 
 Processor = Callable[[np.ndarray, Sequence[int]], np.ndarray]
 Sampler = Callable[[np.ndarray, Sequence[int]], int]
@@ -21,22 +22,14 @@ Sampler = Callable[[np.ndarray, Sequence[int]], int]
 MAX_TOKEN_ID = 2**31 - 1  # far above any vocabulary; a logit_bias key past it is a mistake
 
 
-def _show(value) -> str:
-    """A short repr that never fails (deep, cyclic or huge values)."""
-    try:
-        return reprlib.repr(value)
-    except Exception:  # noqa: BLE001 - e.g. an int too long to print
-        return f"<{type(value).__name__}>"
-
-
 def _real(name: str, value, *, allow_neg_inf: bool = False) -> float:
     """`value` as a float: a real number (not a bool), finite (or -inf where allowed)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number, got {type(value).__name__} {_show(value)}")
+        raise ValueError(f"{name} must be a number, got {type(value).__name__} {show(value)}")
     try:
         out = float(value)
     except OverflowError:
-        raise ValueError(f"{name} is too large for a float: {_show(value)}") from None
+        raise ValueError(f"{name} is too large for a float: {show(value)}") from None
     if not (math.isfinite(out) or allow_neg_inf and out == -math.inf):
         raise ValueError(f"{name} must be finite{' or -inf' if allow_neg_inf else ''}, got {out}")
     return out
@@ -45,7 +38,7 @@ def _real(name: str, value, *, allow_neg_inf: bool = False) -> float:
 def _integer(name: str, value) -> int:
     """`value` as an int: an integer (Python or NumPy), not a bool."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer, got {type(value).__name__} {_show(value)}")
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__} {show(value)}")
     return int(value)
 
 

@@ -42,7 +42,7 @@ from jinja2.runtime import LoopContext, Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
-from ..errors import ChatTemplateError
+from ..errors import ChatTemplateError, show
 
 __all__ = ["CHATML_TEMPLATE", "MAX_BUILT", "MAX_CHARS", "MAX_INT_BITS", "MAX_SECONDS", "MAX_TEMPLATE_CHARS",
            "ROLES", "format_chat", "validate_messages"]
@@ -496,7 +496,7 @@ def validate_messages(messages: Any) -> None:
         if "role" not in message:
             raise ValueError(f"message {i} has no 'role'")
         if message["role"] not in ROLES:
-            raise ValueError(f"message {i} has role {message['role']!r}; expected one of {', '.join(ROLES)}")
+            raise ValueError(f"message {i} has role {show(message['role'])}; expected one of {', '.join(ROLES)}")
         if "content" not in message:
             raise ValueError(f"message {i} has no 'content'")
         if not isinstance(message["content"], str):
