@@ -46,3 +46,36 @@ def test_real_limit_refuses_an_absurd_context():
     """No monkeypatching: a context of 2**40 positions cannot fit on any machine."""
     with pytest.raises(MemoryLimitError, match="needs .* GiB .* of memory is available"):
         KVCache(30, 3, 64, capacity=2**40)
+
+
+def _vm_flags(a: np.ndarray) -> list[str]:
+    """The VmFlags of the mapping holding a's middle byte (Linux smaps; NumPy's madvise leaves
+    out the page with the allocator's header, a mapping of its own)."""
+    addr, inside = a.__array_interface__["data"][0] + a.nbytes // 2, False
+    for line in open("/proc/self/smaps"):
+        first = line.split(maxsplit=1)[0]
+        if "-" in first and not first.endswith(":"):  # a mapping's header line
+            lo, hi = (int(x, 16) for x in first.split("-"))
+            inside = lo <= addr < hi
+        elif inside and first == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError("no mapping holds the array")
+
+
+@pytest.mark.parametrize("shape, dtype", [((3, 5, 7), np.float32), ((1 << 21,), np.float16), ((2, 0, 4), np.float32)])
+def test_zeros_are_writable_zeros_of_the_shape(shape, dtype):
+    a = memory.zeros(shape, dtype)
+    assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous and a.flags.writeable
+    assert not a.any()
+    a[...] = 1
+    assert (a == 1).all()
+    b = memory.zeros(shape, dtype)  # a map of its own
+    assert not b.any() and not np.shares_memory(a, b)
+
+
+def test_zeros_do_not_ask_for_huge_pages_as_numpy_does():
+    n = 8 << 20
+    assert "hg" in _vm_flags(np.zeros(n, np.uint8))  # NumPy's madvise(MADV_HUGEPAGE) at >= 4 MiB
+    assert "hg" not in _vm_flags(memory.zeros((n,), np.uint8))
+    pool = KVPool(30, 3, 64, n_pages=64)  # 11 MiB
+    assert "hg" not in _vm_flags(pool.slots())

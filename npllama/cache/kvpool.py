@@ -32,7 +32,7 @@ import math
 
 import numpy as np
 
-from .memory import check_fits
+from .memory import check_fits, zeros
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
@@ -121,7 +121,7 @@ class KVPool:
                    f"a {dtype} KV pool of {self.n_pages} pages x {self.page_size} positions ({self.n_layers} "
                    f"layers x {self.n_kv_heads} KV heads x {self.head_dim})",
                    "use fewer pages (fewer or shorter sequences)" + (", or float16" if dtype == np.float32 else ""))
-        self._all = np.zeros((self.n_layers, *shape), dtype)
+        self._all = zeros((self.n_layers, *shape), dtype)  # the system's default pages: memory.zeros
         self._bufs = tuple(self._all)  # each layer's view
         # flat views (n_pages * page_size, KVH, 2, D) of the same memory, for slot scatters
         self._flat = tuple(b.reshape(-1, self.n_kv_heads, 2, self.head_dim) for b in self._bufs)
