@@ -93,15 +93,17 @@ def test_matmul_panels(qtype, int8):
 @pytest.mark.parametrize("int8", MODES, ids=mode_id)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_rows_do_not_depend_on_their_neighbours(qtype, int8):
-    """A row's products are the same bits alone, anywhere in a tile of any size, or in a tail."""
+    """A row's products are the same bits alone, anywhere in a tile of any size, in a tail, or
+    in a tile whose missing rows repeat the last one (every count of rows up to 21)."""
     rng = np.random.default_rng(5)
     rows, blocks = 24, 4
     data = full_range_weight(qtype, rows, blocks, rng)
     pw = P.pack_panels(data, qtype)
-    x = rng.normal(size=(21, cols(qtype, blocks))).astype(np.float32)  # float32 tiles: 16, 4, 1
+    x = rng.normal(size=(21, cols(qtype, blocks))).astype(np.float32)  # float32 tiles: 16, then 8 (2 repeated)
     together = P.matmul_panels(pw, qtype, rows, x, int8=int8)
     for t in range(len(x)):
         np.testing.assert_array_equal(P.matmul_panels(pw, qtype, rows, x[t:t + 1], int8=int8)[0], together[t])
+        np.testing.assert_array_equal(P.matmul_panels(pw, qtype, rows, x[:t + 1], int8=int8), together[:t + 1])
     for a, b in ((3, 10), (2, 14), (1, 6), (4, 20), (5, 21)):
         np.testing.assert_array_equal(P.matmul_panels(pw, qtype, rows, x[a:b], int8=int8), together[a:b])
 
@@ -121,14 +123,16 @@ def test_quantize_rows_as_the_decode_step():
 
 
 @pytest.mark.parametrize("int8", MODES, ids=mode_id)
-def test_a_nan_row_stays_in_its_row(int8):
+@pytest.mark.parametrize("row", [2, 4])
+def test_a_nan_row_stays_in_its_row(int8, row):
+    """Row 4 is the last of 5, repeated in the tile's missing rows."""
     rng = np.random.default_rng(2)
     data = full_range_weight(QT.Q4_1, 20, 2, rng)
     x = rng.normal(size=(5, 64)).astype(np.float32)
-    x[2, 7] = np.nan
+    x[row, 7] = np.nan
     out = P.matmul_panels(P.pack_panels(data, QT.Q4_1), QT.Q4_1, 20, x, int8=int8)
-    assert np.isnan(out[2]).all()
-    assert np.isfinite(np.delete(out, 2, axis=0)).all()
+    assert np.isnan(out[row]).all()
+    assert np.isfinite(np.delete(out, row, axis=0)).all()
 
 
 @pytest.mark.parametrize("int8", MODES, ids=mode_id)

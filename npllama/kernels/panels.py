@@ -80,8 +80,15 @@ from .quants_int8 import DOT_ISA, _ir_f16_vec, _quantize_x_q8
 __all__ = ["PANEL", "has_panels", "panel_shape", "pack_panels", "quantize_rows", "activation_rows", "matmul_panels"]
 
 PANEL = 16  # weight rows per panel: the int32 lanes of a 512-bit vector
-_TT = 4     # activation rows per tile of the int8 micro-kernel
-_TT_F32 = (16, 8, 4, 1)  # the float32 micro-kernel's tiles, largest first
+# The micro-kernels' tiles of activation rows, largest first, each with the rows it may lack:
+# a tail that smaller tiles would leave to 1-row tiles takes a larger one whose missing rows
+# repeat the last row (computed twice, the same bits, stored in the same place). Float32,
+# 2 threads, a product of 1,536 rows in cache (GFLOP/s, tiles of exactly their rows before
+# -> these): 13-15 rows 112-132 -> 151-176, 10-11 102-112 -> 142-159, 6-7 83-88 -> 131-155,
+# 2-3 51-53 -> 78-118; 12 rows ran slower in a tile of 16 than in 8 + 4, 5 no faster in a
+# tile of 8, nor int8's 2 and 3 rows in a tile of 4.
+_TT = ((4, 0), (1, 0))                      # int8: (rows, rows it may lack)
+_TT_F32 = ((16, 3), (8, 2), (4, 2), (1, 0))  # float32
 
 # kind: (GGUF block bytes, offset of its quants, 4-byte groups per block, panel block bytes, bias,
 #        has m, bytes of a panel's d and m, has fifth bits: the uint32 before the quants)
@@ -276,12 +283,16 @@ def _make_panel_dots(isa: str):
             return _ir_f16_vec(builder, _ir_load(builder, pp, at, _vec(_I16, 16), 1))
         return load(at), (load(builder.add(at, ir.Constant(at.type, 16 * sbytes))) if has_m else None)
 
-    def tile(builder, kind, arrays, t0, tt):  # tmp[t0 + t, :] for t < tt, int8 x
+    def tile_rows(builder, t0, tt, last):  # rows t0 .. t0 + tt - 1, past `last` repeating it
+        rows = [builder.add(t0, ir.Constant(t0.type, t)) for t in range(tt)]
+        return [builder.select(builder.icmp_signed("<", r, last), r, last) for r in rows]
+
+    def tile(builder, kind, arrays, t0, tt, last):  # tmp[t0 + t, :] for t < tt, int8 x
         _, _, groups, pbs, bias, has_m, sbytes, five = _KINDS[kind]
         pp, qp, dp, sp, ip, tmp, n = arrays
         nb = builder.sdiv(n, ir.Constant(n.type, 32))
         c = lambda v: ir.Constant(n.type, v)  # noqa: E731
-        rows = [builder.add(t0, c(t)) for t in range(tt)]
+        rows = tile_rows(builder, t0, tt, last)
         xrow = [builder.bitcast(builder.gep(qp, [builder.mul(r, n)]), _I8.as_pointer()) for r in rows]
         brow = [builder.mul(r, nb) for r in rows]
         acc = [cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for _ in range(tt)]
@@ -330,12 +341,12 @@ def _make_panel_dots(isa: str):
             ptr = builder.bitcast(builder.gep(tmp, [builder.mul(rows[t], c(PANEL))]), v16f.as_pointer())
             builder.store(builder.load(acc[t]), ptr, align=4)
 
-    def tile_f32(builder, kind, arrays, t0, tt):  # tmp[t0 + t, :] for t < tt, float32 x
+    def tile_f32(builder, kind, arrays, t0, tt, last):  # tmp[t0 + t, :] for t < tt, float32 x
         _, _, groups, pbs, bias, has_m, sbytes, five = _KINDS[kind]
         pp, xp, tmp, n = arrays
         nb = builder.sdiv(n, ir.Constant(n.type, 32))
         c = lambda v: ir.Constant(n.type, v)  # noqa: E731
-        rows = [builder.add(t0, c(t)) for t in range(tt)]
+        rows = tile_rows(builder, t0, tt, last)
         xrow = [builder.gep(xp, [builder.mul(r, n)]) for r in rows]
         acc = [cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for _ in range(tt)]
         with cgutils.for_range(builder, nb) as loop:
@@ -382,15 +393,18 @@ def _make_panel_dots(isa: str):
         T = builder.extract_value(arrs[1].shape, 0)
         arrays = [a.data for a in arrs] + [n]
         int8 = len(xr) == 4
-        sizes, emit = ((_TT, 1), tile) if int8 else (_TT_F32, tile_f32)
+        sizes, emit = (_TT, tile) if int8 else (_TT_F32, tile_f32)
+        c = lambda v: ir.Constant(T.type, v)  # noqa: E731
+        last = builder.sub(T, c(1))
         for qt, kind in _CODES.items():
             with builder.if_then(builder.icmp_signed("==", code, ir.Constant(code.type, qt))):
-                done = ir.Constant(T.type, 0)
-                for tt in sizes:  # as many tiles of tt rows as fit in the rows left, then smaller ones
-                    count = builder.sdiv(builder.sub(T, done), ir.Constant(T.type, tt))
+                done = c(0)
+                for tt, missing in sizes:  # tiles of tt rows while at least tt - missing rows are left
+                    count = builder.sdiv(builder.add(builder.sub(T, done), c(missing)), c(tt))
                     with cgutils.for_range(builder, count) as loop:
-                        emit(builder, kind, arrays, builder.add(done, builder.mul(loop.index, ir.Constant(T.type, tt))), tt)
-                    done = builder.add(done, builder.mul(count, ir.Constant(T.type, tt)))
+                        emit(builder, kind, arrays, builder.add(done, builder.mul(loop.index, c(tt))), tt, last)
+                    done = builder.add(done, builder.mul(count, c(tt)))
+                    done = builder.select(builder.icmp_signed("<", done, T), done, T)
         return context.get_dummy_value()
 
     def activations(xr):  # (xq, xd, xs, xi) int8, or (x,) float32
