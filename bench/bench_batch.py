@@ -4,6 +4,7 @@ token, float16-KV fidelity and the saving from shared prompt prefixes. Never a p
 
     python bench/bench_batch.py [--n 16,64] [--gen 64] [--max-batch 16] [--threads 2]
                                 [--engines npllama,llama.cpp,llama.cpp-batched] [--model PATH]
+                                [--activations f32|int8]
 
 Throughput is generated tokens per second of wall time over the whole set (prefill included);
 llama.cpp runs each prompt greedily for the number of tokens npllama generated for it, one by one
@@ -255,13 +256,14 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--engines", default="npllama,llama.cpp,llama.cpp-batched")
     ap.add_argument("--skip", default="", help="comma separated: throughput,memory,prefix")
+    ap.add_argument("--activations", default="f32", choices=["f32", "int8"], help="npllama's mode")
     args = ap.parse_args()
 
     import npllama
     from npllama.gguf.hub import resolve_model
-    model = npllama.Model(resolve_model(args.model), threads=args.threads)
+    model = npllama.Model(resolve_model(args.model), threads=args.threads, activations=args.activations)
     skip = set(filter(None, args.skip.split(",")))
-    print(f"model {Path(model.path).name}, {args.threads} threads")
+    print(f"model {Path(model.path).name}, {args.threads} threads, activations {args.activations}")
     if "throughput" not in skip:
         py = ref_python()
         for n in (int(x) for x in args.n.split(",")):
