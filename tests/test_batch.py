@@ -117,6 +117,17 @@ def test_int8_generate_many_does_not_depend_on_the_batch(tmp_path):
     assert generate_many(m, prompts, temperature=0, max_tokens=8, max_batch=3, page_size=4) == alone
 
 
+def test_int8_generate_batch_equals_each_prompt_alone(tmp_path):
+    """int8 activations: generate_batch (continuous batching, packed passes) gives each prompt
+    the tokens that it gives alone through a session (prefill, then the fused decode step),
+    a prompt past attention's first chunk of keys (_CHUNK = 512) included."""
+    m = npllama.Model(write_tiny_llama(tmp_path / "m.gguf", qtype=QT.Q4_1, n_ctx=1024), threads=2,
+                      activations="int8")
+    prompts = prompts_of((4, 9, 600, 15), seed=6)
+    alone = [m.generate(p, temperature=0, max_tokens=10) for p in prompts]
+    assert m.generate_batch(prompts, temperature=0, max_tokens=10, max_batch=3) == alone
+
+
 def test_packed_batch_in_chunks_and_through_blas(model, monkeypatch):
     from npllama.engine import batch
     monkeypatch.setattr(batch, "CHUNK_TOKENS", 5)  # chunks cut through the sequences
@@ -216,6 +227,38 @@ def test_paged_attend_equals_attend_on_each_sequence(dtype):
         contiguous = kv[tables[b, :-(-n // ps)]].reshape(-1, KVH, 2, D).astype(np.float32)
         ref = attend(q[row:row + m], np.ascontiguousarray(contiguous), n)
         np.testing.assert_allclose(out[row:row + m], ref, rtol=1e-5, atol=1e-5)
+        row += m
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("window", [0, 600])
+@pytest.mark.parametrize("rows", [9, 64])
+def test_paged_attend_is_attend_bit_for_bit_past_a_chunk(dtype, window, rows):
+    """Sequences longer than two chunks of keys (attention._CHUNK = 512), a prefill chunk of
+    `rows` queries and two decoding tokens: the batched attention gives the session kernels'
+    bits (both fold chunks at multiples of 512 and merge them in order), with tasks of one KV
+    head (9 rows: 4 query blocks) or of every KV head (64 rows: 10 blocks); and the float64
+    reference's values."""
+    rng = np.random.default_rng(7)
+    H, KVH, D, ps = 6, 2, 64, 16
+    lengths, n_new = [1100, 530, 7], [rows, 1, 1]
+    pages = [-(-n // ps) for n in lengths]
+    kv = random_pool(rng, sum(pages), ps, KVH, D, dtype)
+    tables, perm, at = np.zeros((3, max(pages)), np.int32), rng.permutation(sum(pages)), 0
+    for b, k in enumerate(pages):
+        tables[b, :k] = perm[at:at + k]
+        at += k
+    seq_of_token = np.repeat(np.arange(3), n_new)
+    positions = np.concatenate([np.arange(n - m, n) for n, m in zip(lengths, n_new)])
+    q = rng.standard_normal((len(positions), H, D)).astype(np.float32)
+    out = paged_attend(q, kv, tables, seq_of_token, positions, window=window)
+    row = 0
+    for b, (n, m) in enumerate(zip(lengths, n_new)):
+        seq = np.ascontiguousarray(kv[tables[b, :pages[b]]].reshape(-1, KVH, 2, D))
+        np.testing.assert_array_equal(out[row:row + m], attend(q[row:row + m], seq, n, window=window))
+        ref = _attention_reference(q[row:row + m], seq[:n, :, 0].astype(np.float32), seq[:n, :, 1].astype(np.float32),
+                                   positions[row:row + m], window, 1 / np.sqrt(D))
+        np.testing.assert_allclose(out[row:row + m], ref, rtol=1e-4, atol=1e-5)
         row += m
 
 

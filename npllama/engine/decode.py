@@ -27,9 +27,10 @@ import threading
 import numpy as np
 from numba import njit, prange
 
-from ..kernels.attention import _BLOCK, _decode_chunk, _merge_chunks
+from ..kernels.attention import _BLOCK, _CHUNK, _decode_chunk, _merge_chunks
+from ..kernels.paged_attention import _paged_block
 from ..kernels.f16 import _st, bits
-from ..kernels.nn import ACTS, _glu_row, _rmsnorm_row, _rope_row
+from ..kernels.nn import ACTS, _glu1, _glu_row, _rmsnorm_row, _rope_row
 from ..kernels.panels import PANEL, _panel_dots, _quantize_rows
 from ..kernels.quants import _block_sums, _deq_row, _rows_f32
 from ..kernels.quants_int8 import _has_i8, _rows_i8
@@ -113,6 +114,7 @@ class DecodePlan:
         self.offs = np.concatenate([[0], np.cumsum(table[0, :, 2])]).astype(np.int64)
         self._scratch = None  # the steps' working memory, for up to self._scratch_threads threads
         self._scratch_threads = 0
+        self._scratch_chunks = 0
         # steps from several Python threads take turns (the parallel region runs without the
         # GIL, and every step uses all the threads it is given anyway)
         self._lock = threading.Lock()
@@ -145,7 +147,10 @@ class DecodePlan:
         m, cfg = self.model, self.model.config
         # attention work items: chunks of keys, at least half a block each (a sliding layer
         # splits its window into as many, some of them empty when the window is short)
-        n_chunks = max(1, min(_CHUNKS_PER_THREAD * threads, (pos + 1) // (_BLOCK // 2)))
+        if self.int8:  # a chunk per multiple of _CHUNK (_fixed_chunks)
+            n_chunks = pos // _CHUNK + 1
+        else:
+            n_chunks = max(1, min(_CHUNKS_PER_THREAD * threads, (pos + 1) // (_BLOCK // 2)))
         logits = np.empty(cfg.n_vocab, np.float32)
         cos, sin = m.ropes.tables(pos + 1)
         with self._lock:  # the steps of a model's sessions share its working memory
@@ -153,17 +158,19 @@ class DecodePlan:
                          self.bq, self.bk, self.bv, self.q_norm, self.k_norm, self.post_attn, self.post_ffn,
                          self.lcfg, self.act, self.embd_scale, bits(kvs), pages, ps, cos, sin, cfg.rope_neox,
                          self.eps, self.scale, cfg.n_head, m.output_norm, logits, threads, self.offs,
-                         *self._scratch_for(threads))
+                         *self._scratch_for(threads, n_chunks))
         return block.softcap(logits, cfg.softcap)
 
-    def _scratch_for(self, threads: int) -> tuple:
-        """The step's working memory for `threads` workers, allocated once (again only for
-        more threads): the shared results, the attention chunks' states, the work counters
-        and each worker's private float32 and int8 arrays (see `_private`)."""
-        if threads > self._scratch_threads:
+    def _scratch_for(self, threads: int, n_chunks: int) -> tuple:
+        """The step's working memory for `threads` workers and `n_chunks` attention chunks,
+        allocated once (again only for more threads, or twice the chunks when more are
+        needed): the shared results, the attention chunks' states, the work counters and
+        each worker's private float32 and int8 arrays (see `_private`)."""
+        if threads > self._scratch_threads or n_chunks > self._scratch_chunks:
             cfg = self.model.config
             G, D, KVH = cfg.n_head // cfg.n_head_kv, cfg.head_dim, cfg.n_head_kv
-            chunks = _CHUNKS_PER_THREAD * threads  # the most a step splits attention into
+            threads = max(threads, self._scratch_threads)
+            chunks = max(_CHUNKS_PER_THREAD * threads, n_chunks, 2 * self._scratch_chunks)
             n_ff = int(self.table[0, 4, 2])  # the gate product's rows
             n_f32, n_i8 = _private_sizes(cfg.n_embd, cfg.n_head * D, n_ff, KVH, G, D)
             self._scratch = (
@@ -177,6 +184,7 @@ class DecodePlan:
                 np.empty((threads, _STEPS), np.int64),
             )
             self._scratch_threads = threads
+            self._scratch_chunks = chunks
         return self._scratch
 
 
@@ -260,7 +268,11 @@ def _product(ctr, slot, home, nr, code, w, pan, x, xsum, xq, row, tmp, out, pair
             _rows(c, wh, pan, u0, u1, x, xsum, xq, row, tmp, o)  # one call site: one copy of the kernels
         if pair:
             r0, r1 = (u0 * PANEL, min(rows, u1 * PANEL)) if pan else (u0, u1)
-            _glu_row(out[r0:r1], out2[r0:r1], out[r0:r1], act)
+            if xq is None:
+                _glu_row(out[r0:r1], out2[r0:r1], out[r0:r1], act)
+            else:  # int8 mode: the panel products' GLU, in this function's strict arithmetic
+                for r in range(r0, r1):
+                    out[r] = _glu1(out[r], out2[r], act)
         done += 1
     _finish(ctr, slot, nr, done)
     return n_items
@@ -387,7 +399,7 @@ def _worker(ctr, home, nr, token, pos, buffer, panels, table, attn_norm, ffn_nor
                 elif step == 3:
                     _attention(ctr, home, nr, li, pos, res[li], offs, n_items, q, k, v, bq, bk, bv, q_norm, k_norm,
                                lcfg[li], eps, kvs[li], pages, ps, cos, sin, neox, scale, part_m[li], part_l[li],
-                               part_acc[li], s, ha)
+                               part_acc[li], s, ha, i8)
                     _prepare(ha, xsum, xa)
                 elif step == 4:
                     _wait(ctr, _slot(li, 3, nr), nr, n_items[3])
@@ -428,16 +440,20 @@ def _residual(x, r, post, li, eps, tmp):
 
 @njit(cache=True)
 def _attention(ctr, home, nr, li, pos, res, offs, n_items, q, k, v, bq, bk, bv, q_norm, k_norm, lcfg, eps, kv, pages,
-               ps, cos, sin, neox, scale, part_m, part_l, part_acc, s, out):
+               ps, cos, sin, neox, scale, part_m, part_l, part_acc, s, out, i8):
     """A thread's part of layer li's attention: wait for q, k, v; norm and RoPE them
     (privately) as the layer says and write the new key and value rows; take chunks of the
-    keys the query sees (its window's, in a sliding layer) as items (every KV head of a
-    chunk at once); merge every head's chunks into out (H * D).
+    keys the query sees (its window's, in a sliding layer) as items; merge every head's
+    chunks into out (H * D). In the exact mode (i8 None) the chunks split the keys evenly
+    and an item takes every KV head of its chunk; in int8 mode the chunks sit at multiples
+    of attention._CHUNK and are folded by the batched pass's routine (`_fixed_chunks`), so
+    that a token's attention has the bits of a batched pass's.
 
-    q: (KVH, G, D) scratch for the scaled query; k, v: (KVH, D); lcfg: the layer's [RoPE
+    q: (KVH, G, D) scratch for the query; k, v: (KVH, D); lcfg: the layer's [RoPE
     table or -1, window or 0]; position p's record is kv[pages[p // ps] * ps + p % ps] (a
     session's cache: one page of its whole capacity); part_m, part_l: (n_chunks, KVH, G) and
-    part_acc (n_chunks, KVH, G, D): the chunks' running states."""
+    part_acc (n_chunks, KVH, G, D): the chunks' running states (int8 mode: room for at least
+    pos // _CHUNK + 1 chunks)."""
     KVH, G, D = q.shape
     n_chunks = part_m.shape[0]
     for step in range(3):
@@ -458,7 +474,6 @@ def _attention(ctr, home, nr, li, pos, res, offs, n_items, q, k, v, bq, bk, bv, 
     if lcfg[0] >= 0:
         _rope_row(q.reshape(KVH * G, D), pos, cos[lcfg[0]], sin[lcfg[0]], neox)
         _rope_row(k, pos, cos[lcfg[0]], sin[lcfg[0]], neox)
-    q *= scale
     # every thread writes the same new row, before any of its own reads of it
     at = pages[pos // ps] * ps + pos % ps
     for g in range(KVH):
@@ -466,8 +481,13 @@ def _attention(ctr, home, nr, li, pos, res, offs, n_items, q, k, v, bq, bk, bv, 
             _st(kv[at, g, 0], d, k[g, d])
             _st(kv[at, g, 1], d, v[g, d])
     lo = max(0, pos + 1 - lcfg[1]) if lcfg[1] > 0 else 0  # the first key the query sees
-    chunk = -(-(pos + 1 - lo) // n_chunks)
     slot = _slot(li, _ATT, nr)
+    if i8 is not None:
+        _fixed_chunks(ctr, home, nr, slot, pos, lo, q, kv, pages, ps, lcfg[1], scale, part_m, part_l, part_acc,
+                      out)
+        return
+    q *= scale
+    chunk = -(-(pos + 1 - lo) // n_chunks)
     done = 0
     while True:
         c = _take(ctr, slot, home, nr, n_chunks)
@@ -486,6 +506,48 @@ def _attention(ctr, home, nr, li, pos, res, offs, n_items, q, k, v, bq, bk, bv, 
     _finish(ctr, slot, nr, done)
     _wait(ctr, slot, nr, n_chunks)
     _merge_chunks(part_m, part_l, part_acc, out.reshape(KVH, G, D))
+
+
+@njit(cache=True)
+def _fixed_chunks(ctr, home, nr, slot, pos, lo, q, kv, pages, ps, window, scale, part_m, part_l, part_acc, out):
+    """int8 mode's attention items (`_attention`): the chunks at multiples of _CHUNK from the
+    one holding key lo, each with every KV head (from as many chunks as threads on: the
+    heads' parts of a record read together) or else with one, folded from a fresh state by
+    the batched pass's `_paged_block` as a query block of one row; then merged in order
+    (`_merge_chunks`)."""
+    KVH, G, D = q.shape
+    c0 = lo // _CHUNK
+    n_chunks = pos // _CHUNK + 1 - c0
+    per = KVH if n_chunks < nr else 1  # items per chunk
+    NG = KVH // per  # KV heads per item
+    kv5 = kv.reshape(kv.shape[0] // ps, ps, KVH, 2, D)
+    q1 = q.reshape(1, KVH * G, D)
+    m = np.empty((NG, 1, G), np.float32)
+    l = np.empty((NG, 1, G), np.float32)
+    acc = np.empty((NG, 1, G, D), np.float32)
+    s = np.empty((1, G, _BLOCK), np.float32)
+    kb = np.empty((_BLOCK, D), np.float32)
+    vb = np.empty((_BLOCK, D), np.float32)
+    done = 0
+    while True:
+        i = _take(ctr, slot, home, nr, n_chunks * per)
+        if i < 0:
+            break
+        c = i // per
+        g0 = (i - c * per) * NG
+        m[:] = -np.inf
+        l[:] = 0.0
+        acc[:] = 0.0
+        _paged_block(q1, kv5, pages, 0, pos, g0, scale, window, (c0 + c) * _CHUNK, (c0 + c + 1) * _CHUNK, m, l,
+                     acc, s, kb, vb)
+        for gi in range(NG):
+            part_m[c, g0 + gi] = m[gi, 0]
+            part_l[c, g0 + gi] = l[gi, 0]
+            part_acc[c, g0 + gi] = acc[gi, 0]
+        done += 1
+    _finish(ctr, slot, nr, done)
+    _wait(ctr, slot, nr, n_chunks * per)
+    _merge_chunks(part_m[:n_chunks], part_l[:n_chunks], part_acc[:n_chunks], out.reshape(KVH, G, D))
 
 
 @njit(cache=True)

@@ -186,11 +186,13 @@ def generate_batch(model, prompts: Sequence, *, progress: bool | None = None, **
 
     Prompts run together with continuous batching (`npllama.scheduler.generate_many`: new prompts
     join as others finish, shared prefixes are computed once); with greedy sampling each result
-    equals running that prompt alone. The batched kernels compute in float32, so a model loaded
-    with activations="int8" runs its prompts one by one instead, to keep that equality; so does
-    a model on a CUDA device (the batched pass runs on the CPU).
+    equals running that prompt alone. Where that equality could not hold, the prompts run one
+    by one: on a CUDA device (the batched pass runs on the CPU), and in int8 mode for a model
+    with a product weight of a type without panels (kernels/panels.py), which the decode step
+    and the batched pass would compute with different kernels.
     """
-    if model.activations == "f32" and model.device == "cpu":
+    if model.device == "cpu" and (model.activations == "f32"
+                                  or all(model.panels(w) is not None for w in model.product_weights())):
         from .scheduler import generate_many
         return generate_many(model, prompts, progress=progress, **options)
     results = []

@@ -11,11 +11,17 @@ running maximum, running sum and running output per query head (flash attention)
 may store float16 (read through npllama.f16, converted to float32 as it is read).
 
 Two kernels share the block routine:
-  * decode (one query): the key range is split into chunks, (KV head, chunk) pairs run in
-    parallel, each handling all query heads of its group so every K/V row is read once, and
-    the partial results are merged at the end (split-K, "flash decoding");
+  * decode (one query): (KV head, chunk of keys) pairs run in parallel, each handling all
+    query heads of its group so every K/V row is read once, and the chunks' states are
+    merged at the end (split-K, "flash decoding");
   * prefill (several queries): (block of _ROWS queries, KV head) pairs run in parallel over
     the keys their queries see, sharing every K/V row read among the block's queries.
+
+Every path (these kernels, the paged attention of a batched pass, the fused decode step in
+int8 mode) folds a query's keys in blocks of _BLOCK from multiples of _BLOCK, in chunks of
+_CHUNK keys from multiples of _CHUNK, each chunk from a fresh state, and merges the chunks'
+states in order (`_merge_head`): so a query gets the same bits whatever its task, its
+neighbours or the number of threads, and a batched pass equals a session's steps.
 
 Query i sits at absolute position p = offset + i and sees the keys at positions t with
 t <= p (and t > p - window when window > 0), t < kv_len. A key is scored as
@@ -30,7 +36,6 @@ from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -45,8 +50,7 @@ from .quants import _F32T, _FAST_FLAGS, _ir_call, _ir_hsum, _ir_load, _ir_splat,
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp", "afn"}
 _BLOCK = 32            # keys scored together before the running state is rescaled
 _ROWS = 8              # queries one prefill task handles together, sharing each K/V row read
-_MIN_CHUNK = 128       # fewest keys one decode task handles
-_TASKS_PER_THREAD = 4  # decode tasks wanted per thread, for load balance
+_CHUNK = 512           # keys folded from a fresh state before the chunks are merged (a multiple of _BLOCK)
 MASKED = -1e30         # mask entries at or below this remove the key
 _NO_MASK = np.zeros((0, 0), dtype=np.float32)  # stand-ins for absent options, typed like the real ones
 _NO_ALIBI = np.zeros(0, dtype=np.float32)
@@ -345,9 +349,9 @@ def _accumulate(q, kv, i0, pos0, g, t0, t1, window, scale, softcap, mask, use_ma
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
-def _decode_kernel(q, kv, t0, t1, qpos, window, chunk, scale, softcap, mask, use_mask, alibi, use_alibi,
-                   out):
-    """One query (S == 1) over keys t0..t1-1, split into chunks of `chunk` keys.
+def _decode_kernel(q, kv, t0, t1, qpos, window, scale, softcap, mask, use_mask, alibi, use_alibi, out):
+    """One query (S == 1) over keys t0..t1-1 (t0 a multiple of _BLOCK), in chunks at multiples
+    of _CHUNK.
 
     q, out: (1, H, D); kv: (cap, KVH, 2, D); mask: (1, kv_len) or (0, 0); alibi: (H,) or (0,).
     """
@@ -355,7 +359,8 @@ def _decode_kernel(q, kv, t0, t1, qpos, window, chunk, scale, softcap, mask, use
     D = q.shape[2]
     KVH = kv.shape[1]
     G = H // KVH
-    n_chunks = max(1, (t1 - t0 + chunk - 1) // chunk)
+    c0 = t0 // _CHUNK
+    n_chunks = max(1, (t1 - 1) // _CHUNK + 1 - c0)
     # running state per (chunk, KV head), with the single query row as axis 2
     part_m = np.full((n_chunks, KVH, 1, G), -np.inf, dtype=np.float32)
     part_l = np.zeros((n_chunks, KVH, 1, G), dtype=np.float32)
@@ -366,39 +371,52 @@ def _decode_kernel(q, kv, t0, t1, qpos, window, chunk, scale, softcap, mask, use
         s = np.empty((1, G, _BLOCK), dtype=np.float32)
         kb = np.empty((_BLOCK, D), dtype=np.float32)
         vb = np.empty((_BLOCK, D), dtype=np.float32)
-        lo = t0 + c * chunk
-        hi = min(t1, lo + chunk)
+        lo = max(t0, (c0 + c) * _CHUNK)
+        hi = min(t1, (c0 + c + 1) * _CHUNK)
         _accumulate(q, kv, 0, qpos, g, lo, hi, window, scale, softcap, mask, use_mask, alibi, use_alibi,
                     part_m[c, g], part_l[c, g], part_acc[c, g], s, kb, vb)
     _merge_chunks(part_m.reshape(n_chunks, KVH, G), part_l.reshape(n_chunks, KVH, G),
                   part_acc.reshape(n_chunks, KVH, G, D), out.reshape(KVH, G, D))
 
 
-@njit(fastmath=_FASTMATH, cache=True, error_model="numpy")
+@njit(cache=True)
 def _merge_chunks(m, l, acc, out):
     """out (KVH, G, D) = every query head's attention output, merged from the running states
     of the chunks of keys: maxima m, sums l (n_chunks, KVH, G) and outputs acc
-    (n_chunks, KVH, G, D), all C-contiguous (the inner loop runs over D). Zero for a head
-    no chunk saw a key for."""
-    n_chunks, KVH, G = m.shape
-    D = acc.shape[3]
-    for g in range(KVH):
-        for gh in range(G):
-            top = np.float32(-np.inf)
-            for c in range(n_chunks):
-                top = max(top, m[c, g, gh])
-            out[g, gh, :] = 0.0
-            if top == -np.inf:
+    (n_chunks, KVH, G, D) (`_merge_head`, per KV head)."""
+    for g in range(m.shape[1]):
+        _merge_head(m[:, g], l[:, g], acc[:, g], out[g])
+
+
+@njit(fastmath=False, cache=True, error_model="numpy")
+def _merge_head(m, l, acc, out):
+    """out (G, D) = the attention output of G query heads from the running states of chunks
+    of keys, merged in chunk order: maxima m, sums l (n_chunks, G), unnormalised outputs acc
+    (n_chunks, G, D), any layout. Strict IEEE arithmetic (no fast-math flags, so no caller
+    contracts it its own way): every path that merges the same states gets the same bits,
+    and one chunk gives acc * (1 / l) exactly. Chunks that saw no key are skipped; a head
+    that saw none gets zeros."""
+    n_chunks, G = m.shape
+    D = acc.shape[2]
+    for gh in range(G):
+        top = np.float32(-np.inf)
+        for c in range(n_chunks):
+            top = max(top, m[c, gh])
+        for d in range(D):
+            out[gh, d] = 0.0
+        if top == -np.inf:
+            continue
+        total = np.float32(0.0)
+        for c in range(n_chunks):
+            if m[c, gh] == -np.inf:
                 continue
-            total = np.float32(0.0)
-            for c in range(n_chunks):
-                w = _exp(m[c, g, gh] - top)
-                total += w * l[c, g, gh]
-                for d in range(D):
-                    out[g, gh, d] += w * acc[c, g, gh, d]
-            inv = np.float32(1.0) / total
+            w = _exp(m[c, gh] - top)
+            total += w * l[c, gh]
             for d in range(D):
-                out[g, gh, d] *= inv
+                out[gh, d] += w * acc[c, gh, d]
+        inv = np.float32(1.0) / total
+        for d in range(D):
+            out[gh, d] *= inv
 
 
 @njit(fastmath=_FASTMATH, cache=True)
@@ -463,21 +481,23 @@ def _prefill_kernel(q, kv, kv_len, offset, window, scale, softcap, mask, use_mas
         i0 = blk * _ROWS
         R = min(_ROWS, S - i0)
         pos0 = offset + i0
-        t0 = max(0, pos0 - window + 1) if window > 0 else 0
+        t0 = max(0, pos0 - window + 1) // _BLOCK * _BLOCK if window > 0 else 0
         t1 = min(pos0 + R, kv_len)
-        m = np.full((R, G), -np.inf, dtype=np.float32)
-        l = np.zeros((R, G), dtype=np.float32)
-        acc = np.zeros((R, G, D), dtype=np.float32)
+        c0 = t0 // _CHUNK
+        n_chunks = max(1, (t1 - 1) // _CHUNK + 1 - c0)
+        m = np.full((n_chunks, R, G), -np.inf, dtype=np.float32)
+        l = np.zeros((n_chunks, R, G), dtype=np.float32)
+        acc = np.zeros((n_chunks, R, G, D), dtype=np.float32)
         s = np.empty((R, G, _BLOCK), dtype=np.float32)
         kb = np.empty((_BLOCK, D), dtype=np.float32)
         vb = np.empty((_BLOCK, D), dtype=np.float32)
-        _accumulate(q, kv, i0, pos0, g, t0, t1, window, scale, softcap, mask, use_mask, alibi, use_alibi,
-                    m, l, acc, s, kb, vb)
+        for c in range(n_chunks):
+            lo = max(t0, (c0 + c) * _CHUNK)
+            hi = min(t1, (c0 + c + 1) * _CHUNK)
+            _accumulate(q, kv, i0, pos0, g, lo, hi, window, scale, softcap, mask, use_mask, alibi, use_alibi,
+                        m[c], l[c], acc[c], s, kb, vb)
         for r in range(R):
-            for gh in range(G):
-                inv = np.float32(1.0) / l[r, gh] if l[r, gh] > 0 else np.float32(0.0)
-                for d in range(D):
-                    out[i0 + r, g * G + gh, d] = acc[r, gh, d] * inv
+            _merge_head(m[:, r], l[:, r], acc[:, r], out[i0 + r, g * G:(g + 1) * G])
 
 
 def _float_array(name: str, a, ndim: int) -> np.ndarray:
@@ -558,11 +578,8 @@ def attend(q: np.ndarray, kv: np.ndarray, kv_len: int, *, offset: int | None = N
     args = (scale, softcap, mask_arr, mask is not None, alibi_arr, alibi is not None, out)
     if S == 1:
         t1 = min(offset + 1, kv_len)
-        t0 = max(0, offset - window + 1) if window > 0 else 0
-        wanted = -(-_TASKS_PER_THREAD * numba.get_num_threads() // KVH)
-        n_chunks = max(1, min(wanted, (t1 - t0) // _MIN_CHUNK))
-        chunk = max(1, -(-(t1 - t0) // n_chunks))
-        _decode_kernel(q, bits(kv), t0, t1, offset, window, chunk, *args)
+        t0 = max(0, offset - window + 1) // _BLOCK * _BLOCK if window > 0 else 0
+        _decode_kernel(q, bits(kv), t0, t1, offset, window, *args)
     elif S > 0:
         _prefill_kernel(q, bits(kv), kv_len, offset, window, *args)
     return out

@@ -10,12 +10,14 @@ read through b's page table straight from the pool buffer
 so no per-sequence copy of K/V is ever gathered, and no mask is needed: which keys a token
 sees follows from (sequence, position), so there is nothing to pad and nothing to broadcast.
 
-Work is split into (query block, KV head) tasks that run in parallel. A query block is up to
-_ROWS consecutive tokens of one sequence at consecutive positions (a prefill chunk), which
-share every K/V row read; a decoding sequence is a block of one. Each task runs the online
-softmax (running max, running sum, running output; flash attention) over the keys its
-block sees, all query heads of its KV-head group at once (grouped-query attention without
-repeating KV heads), accumulating in float32. A float16 pool is stored as raw uint16 bits
+Work is split into (query block, KV head) tasks that run in parallel, or, from _WHOLE_BLOCKS
+blocks on, one task per query block with all its KV heads (a block of records read for all
+of them together). A query block is up to _ROWS consecutive tokens of one sequence at
+consecutive positions (a prefill chunk), which share every K/V row read; a decoding sequence
+is a block of one. Each task runs the online softmax (running max, running sum, running
+output; flash attention) over the keys its block sees, in chunks at multiples of
+attention._CHUNK merged in order, all query heads of a KV-head group at once (grouped-query
+attention without repeating KV heads), accumulating in float32. A float16 pool is stored as raw uint16 bits
 and converted to float32 on read.
 """
 from __future__ import annotations
@@ -25,59 +27,71 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .attention import _BLOCK, _FASTMATH, _ROWS, _add_values, _rescale, _score_block
+from .attention import _BLOCK, _CHUNK, _FASTMATH, _ROWS, _add_values, _merge_head, _rescale, _score_block
 from .f16 import _ld
 
 __all__ = ["paged_attend", "plan_blocks"]
 
 
 @njit(fastmath=_FASTMATH, cache=True)
-def _paged_block(q, kv, table, i0, pos0, g, scale, window, m, l, acc, s, kb, vb):
-    """Fold the keys of one sequence seen by query rows i0..i0+R-1 (positions pos0..pos0+R-1)
-    into their running state, for the G query heads of KV head g. With window > 0, a row at
+def _paged_block(q, kv, table, i0, pos0, g0, scale, window, k0, k1, m, l, acc, s, kb, vb):
+    """Fold the keys k0..k1-1 (k0 a multiple of _BLOCK) of one sequence that query rows
+    i0..i0+R-1 (positions pos0..pos0+R-1) see into their running states, for the G query
+    heads of each of the NG KV heads g0..g0+NG-1: a block of keys at a time for all of them,
+    so that the heads' parts of a record are read together. With window > 0, a row at
     position p sees only the keys t with p - t < window.
 
     q: (T, H, D); kv: (n_pages, ps, KVH, 2, D); table: (n_table,) page ids of the sequence.
-    m, l: (R, G); acc: (R, G, D); s: (R, G, _BLOCK) scratch; kb, vb (_BLOCK, D): float32
-    scratch for a block's keys and values (as attention._accumulate: each block converted
-    once, four keys scored and four values added at a time).
+    m, l: (NG, R, G); acc: (NG, R, G, D); s: (R, G, _BLOCK) scratch; kb, vb (_BLOCK, D):
+    float32 scratch for a block's keys and values of one KV head (as attention._accumulate:
+    each block converted once, four keys scored and four values added at a time). A (row,
+    head)'s arithmetic does not depend on NG, R or the chunk's neighbours.
     """
-    R, G = m.shape
+    NG, R, G = m.shape
     D = q.shape[2]
     ps = kv.shape[1]
-    h0 = g * G
     neg_inf = np.float32(-np.inf)
     t_end = pos0 + R  # the last row sees keys 0..pos0+R-1
     first = pos0 - window + 1 if window > 0 else -t_end  # row r sees keys first + r .. pos0 + r
     # blocks of keys from multiples of _BLOCK: a row's sums are grouped the same in any task
-    for b0 in range(max(0, first) // _BLOCK * _BLOCK, t_end, _BLOCK):
-        n = min(_BLOCK, t_end - b0)
-        for j in range(n):
-            t = b0 + j
-            rec = kv[table[t // ps], t % ps, g]  # (2, D) view: read through the page table
-            for d in range(D):
-                kb[j, d] = _ld(rec[0], d)
-                vb[j, d] = _ld(rec[1], d)
-        for j in range(n, _BLOCK):  # past the block's end: finite, and weighted 0 by _rescale
-            for d in range(D):
-                kb[j, d] = 0.0
-                vb[j, d] = 0.0
-        for r in range(R):
-            lo = max(0, min(_BLOCK, first + r - b0))     # the row sees keys b0+lo .. b0+hi-1
-            hi = max(0, min(n, pos0 + r - b0 + 1))
-            for gh in range(G):
-                _score_block(q[i0 + r, h0 + gh], kb, s[r, gh])
-                for j in range(_BLOCK):
-                    s[r, gh, j] = s[r, gh, j] * scale if lo <= j < hi else neg_inf
-        _rescale(s, n, m, l, acc)
-        for r in range(R):
-            for gh in range(G):
-                _add_values(acc[r, gh], s[r, gh], vb)
+    end = min(k1, t_end)
+    for b0 in range(max(k0, max(0, first) // _BLOCK * _BLOCK), end, _BLOCK):
+        n = min(_BLOCK, end - b0)
+        for gi in range(NG):
+            g = g0 + gi
+            h0 = g * G
+            for j in range(n):
+                t = b0 + j
+                rec = kv[table[t // ps], t % ps, g]  # (2, D) view: read through the page table
+                for d in range(D):
+                    kb[j, d] = _ld(rec[0], d)
+                    vb[j, d] = _ld(rec[1], d)
+            for j in range(n, _BLOCK):  # past the block's end: finite, and weighted 0 by _rescale
+                for d in range(D):
+                    kb[j, d] = 0.0
+                    vb[j, d] = 0.0
+            for r in range(R):
+                lo = max(0, min(_BLOCK, first + r - b0))     # the row sees keys b0+lo .. b0+hi-1
+                hi = max(0, min(n, pos0 + r - b0 + 1))
+                for gh in range(G):
+                    _score_block(q[i0 + r, h0 + gh], kb, s[r, gh])
+                    for j in range(_BLOCK):
+                        s[r, gh, j] = s[r, gh, j] * scale if lo <= j < hi else neg_inf
+            _rescale(s, n, m[gi], l[gi], acc[gi])
+            for r in range(R):
+                for gh in range(G):
+                    _add_values(acc[gi, r, gh], s[r, gh], vb)
+
+
+_WHOLE_BLOCKS = 8  # query blocks from which a task of the paged kernel takes all KV heads of its block
 
 
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
 def _paged_kernel(q, kv, tables, blk_seq, blk_row, blk_pos, blk_len, scale, window, out):
-    """One task per (query block, KV head).
+    """One task per (query block, KV head), or per query block with every KV head from
+    _WHOLE_BLOCKS blocks on (a record's heads read together); the keys in chunks at multiples
+    of _CHUNK, merged per query row (attention.py's docstring). The tasks do not change the
+    results.
 
     q, out: (T, H, D); kv: (n_pages, ps, KVH, 2, D) float32 or uint16 (float16 bits);
     tables: (B, n_table) int32; block k covers query rows blk_row[k] .. + blk_len[k] - 1 of
@@ -88,23 +102,29 @@ def _paged_kernel(q, kv, tables, blk_seq, blk_row, blk_pos, blk_len, scale, wind
     KVH = kv.shape[2]
     G = H // KVH
     nb = blk_seq.shape[0]
-    for task in prange(nb * KVH):
-        k = task // KVH
-        g = task % KVH
+    per = KVH if nb < _WHOLE_BLOCKS else 1  # tasks per block
+    NG = KVH // per  # KV heads per task
+    for task in prange(nb * per):
+        k = task // per
+        g0 = (task - k * per) * NG
         R = blk_len[k]
         i0 = blk_row[k]
-        m = np.full((R, G), -np.inf, dtype=np.float32)
-        l = np.zeros((R, G), dtype=np.float32)
-        acc = np.zeros((R, G, D), dtype=np.float32)
+        pos0 = blk_pos[k]
+        c0 = max(0, pos0 - window + 1) // _CHUNK if window > 0 else 0
+        n_chunks = (pos0 + R - 1) // _CHUNK + 1 - c0
+        m = np.full((n_chunks, NG, R, G), -np.inf, dtype=np.float32)
+        l = np.zeros((n_chunks, NG, R, G), dtype=np.float32)
+        acc = np.zeros((n_chunks, NG, R, G, D), dtype=np.float32)
         s = np.empty((R, G, _BLOCK), dtype=np.float32)
         kb = np.empty((_BLOCK, D), dtype=np.float32)
         vb = np.empty((_BLOCK, D), dtype=np.float32)
-        _paged_block(q, kv, tables[blk_seq[k]], i0, blk_pos[k], g, scale, window, m, l, acc, s, kb, vb)
-        for r in range(R):
-            for gh in range(G):
-                inv = np.float32(1.0) / l[r, gh] if l[r, gh] > 0 else np.float32(0.0)
-                for d in range(D):
-                    out[i0 + r, g * G + gh, d] = acc[r, gh, d] * inv
+        for c in range(n_chunks):
+            _paged_block(q, kv, tables[blk_seq[k]], i0, pos0, g0, scale, window, (c0 + c) * _CHUNK,
+                         (c0 + c + 1) * _CHUNK, m[c], l[c], acc[c], s, kb, vb)
+        for gi in range(NG):
+            g = g0 + gi
+            for r in range(R):
+                _merge_head(m[:, gi, r], l[:, gi, r], acc[:, gi, r], out[i0 + r, g * G:(g + 1) * G])
 
 
 def plan_blocks(seq_of_token: np.ndarray, positions: np.ndarray, rows: int = _ROWS):
