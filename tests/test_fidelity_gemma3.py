@@ -129,14 +129,24 @@ def test_int8_decode_top1(gemma3_path, fix, text):
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_int8_prefill_top1(gemma3_path, fix, text):
-    """The int8-activation mode through the prefill path (the panel products: Q4_K, Q5_0, Q8_0
-    weights), teacher-forced over a whole text: top-1 agreement with HF float32, with the
+    """The int8-activation mode through the prefill path (the panel products: Q4_K, Q6_K, Q5_0,
+    Q8_0 weights), teacher-forced over a whole text: top-1 agreement with HF float32, with the
     decode step's floor."""
     ids = fix[f"{text}/ids"]
     logits = npllama.Model(gemma3_path, activations="int8").session().feed(ids, all_logits=True)
     agree = int((logits.argmax(-1) == fix[f"{text}/top_ids"][:, 0]).sum())
     print(f"\nint8 activations, {text}, prefill: top-1 {agree}/{len(ids)} = {agree / len(ids):.2%}")
     assert agree / len(ids) >= 0.90
+
+
+def test_int8_generate_batch_equals_each_prompt_alone(gemma3_path):
+    """int8 activations on a K-quant mix (every product weight has panels, Q6_K's included):
+    generate_batch's packed passes give each prompt the tokens it gives alone through a
+    session (prefill, then the fused decode step), prompts past the sliding window included."""
+    m = npllama.Model(gemma3_path, activations="int8")
+    prompts = [g["prompt"] for g in DOC["greedy"].values()]
+    alone = [m.generate(p, temperature=0, max_tokens=8) for p in prompts]
+    assert m.generate_batch(prompts, temperature=0, max_tokens=8, max_batch=3) == alone
 
 
 def _greedy(model, prompt, n):

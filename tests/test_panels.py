@@ -12,7 +12,7 @@ from npllama.kernels import panels as P
 from npllama.kernels.nn import ACTS
 from test_quants_int8 import full_range_weight, ref_quantize, runnable_isas
 
-TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K]
+TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
 MODES = [True, False]  # int8 activations, float32 ones
 _KERNELS = {}
 
@@ -22,7 +22,7 @@ def mode_id(int8):
 
 
 def cols(qtype, blocks):
-    """Columns of `blocks` GGUF blocks (Q4_K's: super-blocks of 256)."""
+    """Columns of `blocks` GGUF blocks (the K-quants': super-blocks of 256)."""
     return GGML_QUANT_SIZES[qtype][0] * blocks
 
 
@@ -119,7 +119,7 @@ def test_quantize_rows_as_the_decode_step():
         np.testing.assert_array_equal(xq[t], qs)
         np.testing.assert_array_equal(xd[t], d)
         np.testing.assert_array_equal(xs[t], s)
-        np.testing.assert_array_equal(xi[t], qs.reshape(-1, 32).astype(np.int64).sum(1))
+        np.testing.assert_array_equal(xi[t], qs.reshape(-1, 16).astype(np.int64).sum(1))  # half blocks
 
 
 @pytest.mark.parametrize("int8", MODES, ids=mode_id)
@@ -161,7 +161,7 @@ def test_errors():
     rng = np.random.default_rng(0)
     data = full_range_weight(QT.Q4_1, 4, 2, rng)
     with pytest.raises(ValueError, match="no panel kernels for type"):
-        P.pack_panels(data, QT.Q6_K)
+        P.pack_panels(data, QT.Q3_K)
     with pytest.raises(ValueError, match="uint8 array of shape"):
         P.pack_panels(data[:, :30], QT.Q4_1)
     pw = P.pack_panels(data, QT.Q4_1)
@@ -170,7 +170,7 @@ def test_errors():
     for int8 in MODES:
         with pytest.raises(ValueError, match="multiple of 32"):
             P.matmul_panels(pw, QT.Q4_1, 4, np.zeros((2, 60), np.float32), int8=int8)
-    assert P.has_panels(QT.Q8_0) and P.has_panels(QT.Q4_K) and not P.has_panels(QT.Q6_K)
+    assert P.has_panels(QT.Q8_0) and P.has_panels(QT.Q6_K) and not P.has_panels(QT.Q3_K)
     assert P.panel_shape(QT.Q4_1, 4, 64) == pw.shape == (1, 2 * 320)
     out = np.zeros(pw.shape, np.uint8)
     assert P.pack_panels(data, QT.Q4_1, out=out) is out
@@ -179,4 +179,4 @@ def test_errors():
         with pytest.raises(ValueError, match="out must be a C-contiguous uint8 array of shape"):
             P.pack_panels(data, QT.Q4_1, out=bad)
     with pytest.raises(ValueError, match="no panel kernels for type"):
-        P.panel_shape(QT.Q6_K, 4, 256)
+        P.panel_shape(QT.Q2_K, 4, 256)

@@ -208,7 +208,7 @@ def _prepare(x, xsum, xq):
     else:
         qx, dx, sx, xi = xq
         n, nb = x.shape[0], x.shape[0] // 32
-        _quantize_rows(x.reshape(1, n), qx.reshape(1, n), dx.reshape(1, nb), sx.reshape(1, nb), xi.reshape(1, nb))
+        _quantize_rows(x.reshape(1, n), qx.reshape(1, n), dx.reshape(1, nb), sx.reshape(1, nb), xi.reshape(1, 2 * nb))
 
 
 @njit(cache=True)
@@ -224,7 +224,7 @@ def _rows(code, w, panels, r0, r1, x, xsum, xq, row, tmp, out):
     qx, dx, sx, xi = xq
     if panels:
         n, nb = x.shape[0], x.shape[0] // 32
-        xr = (qx.reshape(1, n), dx.reshape(1, nb), sx.reshape(1, nb), xi.reshape(1, nb))
+        xr = (qx.reshape(1, n), dx.reshape(1, nb), sx.reshape(1, nb), xi.reshape(1, 2 * nb))
         for p in range(r0, r1):
             _panel_dots(code, w[p], xr, tmp)
             for i in range(min(PANEL, out.shape[0] - p * PANEL)):
@@ -292,10 +292,10 @@ _LINE = 64  # bytes: each private array starts on a cache line of its own
 def _private_lengths(n_embd, q_dim, n_ff, KVH, G, D):
     """Lengths of one worker's private arrays, in the order `_private` cuts them: float32
     (x, h, row, xsum, de, se, ie, da, sa, ia, df, sf, if, q, k, v, s, tmp; ie, ia and if
-    hold int32), int8 (qe, qa, qf)."""
+    hold int32: the integer sums of each half block), int8 (qe, qa, qf)."""
     width = max(n_embd, q_dim, n_ff)
-    f32 = (n_embd, width, width, width // 32, n_embd // 32, n_embd // 32, n_embd // 32, q_dim // 32, q_dim // 32,
-           q_dim // 32, n_ff // 32, n_ff // 32, n_ff // 32, KVH * G * D, KVH * D, KVH * D, KVH * G * _BLOCK, PANEL)
+    f32 = (n_embd, width, width, width // 32, n_embd // 32, n_embd // 32, n_embd // 16, q_dim // 32, q_dim // 32,
+           q_dim // 16, n_ff // 32, n_ff // 32, n_ff // 16, KVH * G * D, KVH * D, KVH * D, KVH * G * _BLOCK, PANEL)
     return f32, (n_embd, q_dim, n_ff)
 
 
@@ -325,7 +325,7 @@ def _private(f32, i8, n_embd, q_dim, n_ff, KVH, G, D):
     """One worker's private arrays, cut from its rows of the scratch arenas (float32 `f32`,
     int8 `i8`, sized by `_private_sizes`): the residual stream x, the products' input h, a
     row to dequantize weights into, h's block sums, the int8 forms (values, block scales,
-    block sums, integer block sums) of the normed x, of the attention output and of the
+    block sums, half blocks' integer sums) of the normed x, of the attention output and of the
     FFN's (None for each when `i8` is None: the exact mode), the query, key and value,
     attention's scores and a panel's (1, 16) results."""
     n, m = _private_lengths(n_embd, q_dim, n_ff, KVH, G, D)

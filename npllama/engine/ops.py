@@ -6,8 +6,8 @@ q/k/v, one for gate/up with the activation, whose output is the FFN's only (T, n
 serial per-token norms and RoPE.
 
 `PanelOps`: the batched path's pieces (both modes) and the int8 mode's prefill; as RowOps,
-but the products of weights with panel kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K:
-kernels/panels.py) run on the weight's panels, which the model packs at first use
+but the products of weights with panel kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+Q6_K: kernels/panels.py) run on the weight's panels, which the model packs at first use
 (`Transformer.panels`), their input rows in float32 or (int8=True) quantized to int8 blocks,
 once for q/k/v and once for gate/up. Each token's products depend only on its own row, so a
 token gives the same results in a batch as alone. Weights of other types take RowOps'.

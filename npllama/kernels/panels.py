@@ -5,35 +5,40 @@ and quants_int8.py the decode step's one-row dots.
 
 Panels
 ------
-A Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 or Q4_K weight is laid out again, once, in panels of 16 rows
-(`pack_panels`; the last panel padded with zero rows). A panel holds its 16 rows block by
-block; for each block of 32 columns:
+A Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K weight is laid out again, once, in panels
+of 16 rows (`pack_panels`; the last panel padded with zero rows). A panel holds its 16 rows
+block by block (a K-quant's super-block of 256 is 8 blocks); for each block of 32 columns:
 
     quants: 64-byte vectors whose bytes 4r..4r+3 are bytes 4k..4k+3 of row r's quants, for
-            k = 0..3 (Q4_0, Q4_1, Q5_0, Q5_1, Q4_K: each byte holds element 4k+i in its low
-            nibble and element 16+4k+i in its high one, as in a Q4_0 block) or k = 0..7 (Q8_0:
-            one element a byte, offset by 128 so that it is unsigned)
-    bits:   (Q5_0, Q5_1) a 64-byte vector of the fifth bits: bit k of byte 4r+i is the fifth
-            bit of row r's element 4k+i, bit 4+k that of element 16+4k+i (k = 0..3)
+            k = 0..3 (all but Q8_0: each byte holds the low 4 bits of element 4k+i in its low
+            nibble and of element 16+4k+i in its high one, as in a Q4_0 block) or k = 0..7
+            (Q8_0: one element a byte, offset by 128 so that it is unsigned)
+    bits:   (Q5_0, Q5_1, Q5_K) a 64-byte vector of the fifth bits: bit k of byte 4r+i is the
+            fifth bit of row r's element 4k+i, bit 4+k that of element 16+4k+i (k = 0..3);
+            (Q6_K) two such vectors, of bits 4 and 5
     d:      the 16 rows' float16 scales, then (Q4_1, Q5_1) their float16 minimums m; for Q4_K
-            the float32 products d sc of its super-block scale and the block's 6-bit scale,
-            then -dmin m (exact in float32: 11 bits times 6)
+            and Q5_K the float32 products d sc of the super-block's scale and the block's 6-bit
+            scale, then -dmin m (exact in float32: 11 bits times 6); for Q6_K the float32 d sc
+            of the block's two halves (int8 sc: one per 16 elements), the low's then the high's
 
 so a panel block is the size of its 16 GGUF blocks (Q4_1 320 bytes, Q4_0 288, Q5_0 352, Q5_1
-384, Q8_0 544), or 4/3 of it (Q4_K 384).
+384, Q8_0 544), or 4/3 of it (Q4_K 384), 14/11 (Q5_K 448), 256/210 (Q6_K 512).
 
 The int8 micro-kernel
 ---------------------
 Each activation row x is quantized per block of 32 as the decode step quantizes it
-(`quants_int8._quantize_x_q8`: int8 q, scale d_x, s_x = d_x sum q), plus the integer sum of
-the block's q. For a panel and a tile of up to 4 activation rows, per block: each 64-byte
-vector of quants (split into its low and high nibbles, Q5's fifth bits or-ed in as bit 4)
-meets the 4 bytes of x that its elements multiply, broadcast to all 16 rows, in one u8 x s8
-dot into 16 int32 lanes (vpdpbusd: lane r accumulates row r), so a block costs 8 dots per
-activation row, after which
+(`quants_int8._quantize_x_q8`: int8 q, scale d_x, s_x = d_x sum q), plus the integer sums of
+q over each half of the block. For a panel and a tile of up to 4 activation rows, per block:
+each 64-byte vector of quants (split into its low and high nibbles, the high bits or-ed in as
+bits 4 and 5) meets the 4 bytes of x that its elements multiply, broadcast to all 16 rows, in
+one u8 x s8 dot into 16 int32 lanes (vpdpbusd: lane r accumulates row r), so a block costs 8
+dots per activation row, after which
 
     acc_r += float(isum_r - bias sum q) * (d_r d_x)    bias: 8 (Q4_0), 16 (Q5_0), 128 (Q8_0), else 0
-    acc_r += m_r s_x                                    (Q4_1, Q5_1, Q4_K)
+    acc_r += m_r s_x                                    (Q4_1, Q5_1, Q4_K, Q5_K)
+
+or for Q6_K, whose halves have their own d (the low nibbles' elements are the first half, the
+high nibbles' the second), the same first line for each half with its own sums (bias 32).
 
 The integer sums are exact, and every activation row's float operations are the same whatever
 the tile size, so a row's products do not depend on the other rows beside it (batched passes
@@ -43,8 +48,9 @@ ones with AVX-VNNI, else portable IR (widening multiplies; `_make_panel_dots(isa
 The float32 micro-kernel
 ------------------------
 For a panel and a tile of up to 16 activation rows (then 8, 4, 1), per block: each column's
-16 weights (one per row: a shift and a mask of a 64-byte vector, for Q5 or-ed with the fifth
-bit) are converted to float32 exactly, w_r = d_r q_r + m_r (or d_r (q_r - bias)), and
+16 weights (one per row: a shift and a mask of a 64-byte vector, or-ed with the high bits)
+are converted to float32 exactly, w_r = d_r q_r + m_r (or d_r (q_r - bias), d_r of the
+column's half for Q6_K), and
 multiplied-added with the column's x value of each row of the tile, broadcast: acc_r += w_r
 x_t. Each weight is dequantized once per tile, in registers (a tile of 16 rows takes ~21
 vector operations per column where two of 8 take ~26), and a row's sum runs over the columns
@@ -73,7 +79,7 @@ from numba.extending import intrinsic
 
 from .f16 import _half_bits_to_f32
 from .nn import _glu1
-from .quants import (_F32T, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q4_K, _Q5_0, _Q5_1, _Q8_0, _const_vec, _ir_call, _ir_load,
+from .quants import (_F32T, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q4_K, _Q5_0, _Q5_1, _Q5_K, _Q6_K, _Q8_0, _const_vec, _ir_call, _ir_load,
                      _ir_splat, _is_c_array, _shuffle, _vec)
 from .quants_int8 import DOT_ISA, _ir_f16_vec, _quantize_x_q8
 
@@ -91,21 +97,26 @@ _TT = ((4, 0), (1, 0))                      # int8: (rows, rows it may lack)
 _TT_F32 = ((16, 3), (8, 2), (4, 2), (1, 0))  # float32
 
 # kind: (GGUF block bytes, offset of its quants, 4-byte groups per block, panel block bytes, bias,
-#        has m, bytes of a panel's d and m, has fifth bits: the uint32 before the quants)
+#        has m, bytes of a panel's d and m, high bits: 0, or 1 (the fifth: Q5_0/Q5_1's uint32
+#        before the quants), or 2 (Q6_K), and whether a block's halves have their own d (Q6_K:
+#        the two d of a row take the places of d and m))
 _KINDS = {
-    "q4_0": (18, 2, 4, 288, 8, False, 2, False),
-    "q4_1": (20, 4, 4, 320, 0, True, 2, False),
-    "q5_0": (22, 6, 4, 352, 16, False, 2, True),
-    "q5_1": (24, 8, 4, 384, 0, True, 2, True),
-    "q8_0": (34, 2, 8, 544, 128, False, 2, False),
-    "q4_k": (144, 16, 4, 384, 0, True, 4, False),   # a GGUF block is a super-block of 256
+    "q4_0": (18, 2, 4, 288, 8, False, 2, 0, False),
+    "q4_1": (20, 4, 4, 320, 0, True, 2, 0, False),
+    "q5_0": (22, 6, 4, 352, 16, False, 2, 1, False),
+    "q5_1": (24, 8, 4, 384, 0, True, 2, 1, False),
+    "q8_0": (34, 2, 8, 544, 128, False, 2, 0, False),
+    "q4_k": (144, 0, 4, 384, 0, True, 4, 0, False),   # a K-quant's GGUF block is a super-block of 256
+    "q5_k": (176, 0, 4, 448, 0, True, 4, 1, False),
+    "q6_k": (210, 0, 4, 512, 32, False, 4, 2, True),
 }
-_CODES = {_Q4_0: "q4_0", _Q4_1: "q4_1", _Q5_0: "q5_0", _Q5_1: "q5_1", _Q8_0: "q8_0", _Q4_K: "q4_k"}
-_TYPES = "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q4_K"
+_CODES = {_Q4_0: "q4_0", _Q4_1: "q4_1", _Q5_0: "q5_0", _Q5_1: "q5_1", _Q8_0: "q8_0", _Q4_K: "q4_k", _Q5_K: "q5_k",
+          _Q6_K: "q6_k"}
+_TYPES = "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K"
 
 
 def has_panels(qtype) -> bool:
-    """Whether weights of GGUF type `qtype` have the panel kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K)."""
+    """Whether weights of GGUF type `qtype` have the panel kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)."""
     return int(qtype) in _CODES
 
 
@@ -146,35 +157,57 @@ def _pack(src, dst, size, qoff, groups, pbs, has_m, flip, five):
 
 
 @njit(parallel=True, cache=True)
-def _pack_q4_k(src, dst):
-    """Panels of the Q4_K rows `src` (rows, super-blocks * 144) into `dst`, zeroed: each block of
-    32 (sub-block) as a Q4_1 panel block with float32 d sc and -dmin m."""
+def _pack_k(src, dst, size, pbs):
+    """Panels of the K-quant rows `src` (rows, super-blocks * size: Q4_K 144, Q5_K 176, Q6_K
+    210) into `dst`, zeroed: each block of 32 (sub-block) as a Q4_1 (Q4_K) or Q5_1 (Q5_K) panel
+    block with float32 d sc and -dmin m, or (Q6_K) its low nibbles, bits 4 and 5 and the
+    float32 d sc of its two halves."""
     rows = src.shape[0]
-    ns = src.shape[1] // 144
+    ns = src.shape[1] // size
+    bits = (size - 144) // 32   # high bits: Q4_K 0, Q5_K 1, Q6_K 2
     for p in prange(dst.shape[0]):
         el = np.empty(32, np.uint8)
         dm = dst[p].view(np.float32)
         for r in range(min(PANEL, rows - p * PANEL)):
             row = src[p * PANEL + r]
             for sb in range(ns):
-                o = sb * 144
-                d = _half_bits_to_f32(np.uint32(row[o]) | (np.uint32(row[o + 1]) << 8))
+                o = sb * size
+                at = o if bits < 2 else o + 208  # d (Q4_K, Q5_K: then dmin, scales)
+                d = _half_bits_to_f32(np.uint32(row[at]) | (np.uint32(row[at + 1]) << 8))
                 dmin = _half_bits_to_f32(np.uint32(row[o + 2]) | (np.uint32(row[o + 3]) << 8))
                 sc = row[o + 4:o + 16]
                 for j in range(8):
-                    if j < 4:
-                        scale, mn = sc[j] & 63, sc[j + 4] & 63
-                    else:
-                        scale = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4)
-                        mn = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4)
-                    qs = row[o + 16 + 32 * (j // 2):o + 48 + 32 * (j // 2)]  # low nibbles: even j
-                    for i in range(32):
-                        el[i] = (qs[i] >> (4 * (j % 2))) & 15
-                    ob = (sb * 8 + j) * 384
+                    if bits < 2:
+                        if j < 4:
+                            s0, s1 = np.float32(sc[j] & 63), -(dmin * np.float32(sc[j + 4] & 63))
+                        else:
+                            s0 = np.float32((sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4))
+                            s1 = -(dmin * np.float32((sc[j + 4] >> 4) | ((sc[j] >> 6) << 4)))
+                        s0 = d * s0
+                        qs = row[o + 16 + 32 * bits + 32 * (j // 2):]  # nibbles: low for even j
+                        for i in range(32):
+                            el[i] = (qs[i] >> (4 * (j % 2))) & 15
+                            if bits:  # Q5_K's fifth bit: bit j of qh[i]
+                                el[i] |= ((row[o + 16 + i] >> j) & 1) << 4
+                    else:  # Q6_K: half j // 4 of the super-block, its group j % 4 of 32
+                        half, g = j // 4, j % 4
+                        ql = row[o + 64 * half + 32 * (g % 2):]
+                        qh = row[o + 128 + 32 * half:]
+                        for i in range(32):
+                            el[i] = ((ql[i] >> (4 * (g // 2))) & 15) | (((qh[i] >> (2 * g)) & 3) << 4)
+                        s0 = d * np.float32(np.int8(row[o + 192 + 2 * j]))
+                        s1 = d * np.float32(np.int8(row[o + 193 + 2 * j]))
+                    ob = (sb * 8 + j) * pbs
                     for i in range(16):
-                        dst[p, ob + 64 * (i // 4) + 4 * r + i % 4] = el[i] | (el[16 + i] << 4)
-                    dm[(ob + 256) // 4 + r] = d * np.float32(scale)
-                    dm[(ob + 320) // 4 + r] = -(dmin * np.float32(mn))
+                        dst[p, ob + 64 * (i // 4) + 4 * r + i % 4] = el[i] & 15 | (el[16 + i] & 15) << 4
+                    for b in range(bits):  # bit 4 + b of element 4k+i at bit k, of 16+4k+i at bit 4+k
+                        for i in range(4):
+                            v = 0
+                            for k in range(4):
+                                v |= ((el[4 * k + i] >> (4 + b)) & 1) << k | ((el[16 + 4 * k + i] >> (4 + b)) & 1) << (4 + k)
+                            dst[p, ob + 256 + 64 * b + 4 * r + i] = np.uint8(v)
+                    dm[(ob + 256 + 64 * bits) // 4 + r] = s0
+                    dm[(ob + 320 + 64 * bits) // 4 + r] = s1
 
 
 def panel_shape(qtype, rows: int, cols: int) -> tuple[int, int]:
@@ -186,27 +219,28 @@ def panel_shape(qtype, rows: int, cols: int) -> tuple[int, int]:
 
 
 def pack_panels(data, qtype, out=None) -> np.ndarray:
-    """The panels (n_panels, blocks of 32 * panel block bytes) uint8 of a Q4_0, Q4_1, Q5_0,
-    Q5_1, Q8_0 or Q4_K weight `data` (rows, row bytes) uint8: the size of the weight rounded up
-    to 16 rows (4/3 of that for Q4_K); in `out` (zeroed, of `panel_shape`) where given, else a
-    new array."""
+    """The panels (n_panels, blocks of 32 * panel block bytes) uint8 of a weight `data` (rows,
+    row bytes) uint8 of a type with panels (`has_panels`): the size of the weight rounded up
+    to 16 rows, or for K-quants 4/3 of it (Q4_K), 14/11 (Q5_K), 256/210 (Q6_K); in `out`
+    (zeroed, of `panel_shape`) where given, else a new array."""
     kind = _CODES.get(int(qtype))
     if kind is None:
         raise ValueError(f"no panel kernels for type {qtype!r}; they exist for {_TYPES}")
-    size, qoff, groups, pbs, bias, has_m, _, five = _KINDS[kind]
+    size, qoff, groups, pbs, bias, has_m, _, bits, _ = _KINDS[kind]
     data = np.ascontiguousarray(data)
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] % size:
         raise ValueError(f"{kind} rows must be a uint8 array of shape (rows, {size} * blocks), "
                          f"got {data.dtype} {data.shape}")
-    shape = panel_shape(qtype, data.shape[0], data.shape[1] // size * (256 if kind == "q4_k" else 32))
+    k_quant = kind.endswith("_k")
+    shape = panel_shape(qtype, data.shape[0], data.shape[1] // size * (256 if k_quant else 32))
     if out is None:
         out = np.zeros(shape, np.uint8)
     elif out.shape != shape or out.dtype != np.uint8 or not out.flags.c_contiguous:
         raise ValueError(f"out must be a C-contiguous uint8 array of shape {shape}, got {out.dtype} {out.shape}")
-    if kind == "q4_k":
-        _pack_q4_k(data, out)
+    if k_quant:
+        _pack_k(data, out, size, pbs)
     else:
-        _pack(data, out, size, qoff, groups, pbs, has_m, np.uint8(128 if kind == "q8_0" else 0), five)
+        _pack(data, out, size, qoff, groups, pbs, has_m, np.uint8(128 if kind == "q8_0" else 0), bits == 1)
     return out
 
 
@@ -217,15 +251,16 @@ def pack_panels(data, qtype, out=None) -> np.ndarray:
 @njit(cache=True)
 def _quantize_rows(x, xq, xd, xs, xi):
     """Quantize each row of x (T, n): xq (T, n) int8, xd, xs (T, n // 32) float32 as
-    quants_int8._quantize_x_q8, and xi (T, n // 32) int32, the sums of each block's q."""
+    quants_int8._quantize_x_q8, and xi (T, n // 16) int32, the sums of q over each half (16
+    values) of each block."""
     T, n = x.shape
     for t in range(T):
         _quantize_x_q8(x[t], xq[t], xd[t], xs[t])
-        for b in range(n // 32):
+        for h in range(n // 16):
             acc = 0
-            for j in range(32):
-                acc += np.int32(xq[t, 32 * b + j])
-            xi[t, b] = acc
+            for j in range(16):
+                acc += np.int32(xq[t, 16 * h + j])
+            xi[t, h] = acc
 
 
 def quantize_rows(x) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -236,7 +271,7 @@ def quantize_rows(x) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     T, n = x.shape
     xq = np.empty((T, n), np.int8)
     xd, xs = np.empty((T, n // 32), np.float32), np.empty((T, n // 32), np.float32)
-    xi = np.empty((T, n // 32), np.int32)
+    xi = np.empty((T, n // 16), np.int32)
     _quantize_rows(x, xq, xd, xs, xi)
     return xq, xd, xs, xi
 
@@ -276,19 +311,24 @@ def _make_panel_dots(isa: str):
     `code` (one with panels), xr int8 (4 arrays) or float32 (1 array)."""
     v16i, v16f, v64b = _vec(_I32, 16), _vec(_F32T, 16), _vec(_I8, 64)
 
-    def scales(builder, pp, at, sbytes, has_m):  # the 16 rows' d (and m), float32
+    def scales(builder, pp, at, sbytes, two):  # the 16 rows' d, and their m or second d
         def load(at):
             if sbytes == 4:
                 return _ir_load(builder, pp, at, v16f, 4)
             return _ir_f16_vec(builder, _ir_load(builder, pp, at, _vec(_I16, 16), 1))
-        return load(at), (load(builder.add(at, ir.Constant(at.type, 16 * sbytes))) if has_m else None)
+        return load(at), (load(builder.add(at, ir.Constant(at.type, 16 * sbytes))) if two else None)
+
+    def move_bit(builder, h, frm, to, ty, lanes):  # bit `frm` of each lane of h at bit `to`, the rest 0
+        v = (builder.lshr(h, _const_vec(ty, lanes, frm - to)) if frm > to else
+             builder.shl(h, _const_vec(ty, lanes, to - frm)) if frm < to else h)
+        return builder.and_(v, _const_vec(ty, lanes, 1 << to))
 
     def tile_rows(builder, t0, tt, last):  # rows t0 .. t0 + tt - 1, past `last` repeating it
         rows = [builder.add(t0, ir.Constant(t0.type, t)) for t in range(tt)]
         return [builder.select(builder.icmp_signed("<", r, last), r, last) for r in rows]
 
     def tile(builder, kind, arrays, t0, tt, last):  # tmp[t0 + t, :] for t < tt, int8 x
-        _, _, groups, pbs, bias, has_m, sbytes, five = _KINDS[kind]
+        _, _, groups, pbs, bias, has_m, sbytes, bits, halves = _KINDS[kind]
         pp, qp, dp, sp, ip, tmp, n = arrays
         nb = builder.sdiv(n, ir.Constant(n.type, 32))
         c = lambda v: ir.Constant(n.type, v)  # noqa: E731
@@ -300,14 +340,13 @@ def _make_panel_dots(isa: str):
             b = loop.index
             ob = builder.mul(b, c(pbs))
             xo = builder.mul(b, c(32))
-            isum = [ir.Constant(v16i, [0] * 16)] * tt
+            isum = [[ir.Constant(v16i, [0] * 16)] * tt for _ in range(2 if halves else 1)]
 
             def x4(t, col):  # the 4 bytes of row t's x from column 32 b + col, in every lane
                 w = _ir_load(builder, xrow[t], builder.add(xo, c(col)), _I32, 1)
                 return builder.bitcast(_ir_splat(builder, w, 16), v64b)
 
-            if five:
-                h = _ir_load(builder, pp, builder.add(ob, c(64 * groups)), v64b, 1)
+            hv = [_ir_load(builder, pp, builder.add(ob, c(64 * (groups + j))), v64b, 1) for j in range(bits)]
             for k in range(groups):
                 v = _ir_load(builder, pp, builder.add(ob, c(64 * k)), v64b, 1)
                 if groups == 8:  # one element a byte
@@ -315,24 +354,26 @@ def _make_panel_dots(isa: str):
                 else:
                     parts = [(builder.and_(v, _const_vec(_I8, 64, 15)), 4 * k),
                              (builder.lshr(v, _const_vec(_I8, 64, 4)), 16 + 4 * k)]
-                if five:  # bit k (low nibbles) or 4 + k (high) of the fifth bits, moved to bit 4
-                    b16 = _const_vec(_I8, 64, 16)
-                    lo = builder.shl(h, _const_vec(_I8, 64, 4 - k))
-                    hi = builder.lshr(h, _const_vec(_I8, 64, k)) if k else h
-                    parts = [(builder.or_(parts[0][0], builder.and_(lo, b16)), parts[0][1]),
-                             (builder.or_(parts[1][0], builder.and_(hi, b16)), parts[1][1])]
-                for u, col in parts:
+                for j, h in enumerate(hv):  # bit 4 + j of the low nibbles' elements is bit k of h, the high's 4 + k
+                    parts = [(builder.or_(parts[0][0], move_bit(builder, h, k, 4 + j, _I8, 64)), parts[0][1]),
+                             (builder.or_(parts[1][0], move_bit(builder, h, 4 + k, 4 + j, _I8, 64)), parts[1][1])]
+                for half, (u, col) in enumerate(parts):
+                    sums = isum[half if halves else 0]
                     for t in range(tt):
-                        isum[t] = _ir_dpbusd(builder, isum[t], u, x4(t, col), isa)
-            dw, mw = scales(builder, pp, builder.add(ob, c(64 * (groups + five))), sbytes, has_m)
+                        sums[t] = _ir_dpbusd(builder, sums[t], u, x4(t, col), isa)
+            dw, mw = scales(builder, pp, builder.add(ob, c(64 * (groups + bits))), sbytes, has_m or halves)
             for t in range(tt):
                 at = builder.add(brow[t], b)
-                s = isum[t]
-                if bias:
-                    xi = _ir_load(builder, ip, at, _I32, 4)
-                    s = builder.sub(s, _ir_splat(builder, builder.mul(xi, ir.Constant(_I32, bias)), 16))
-                scale = builder.fmul(dw, _ir_splat(builder, _ir_load(builder, dp, at, _F32T, 4), 16))
-                a = _ir_call(builder, "llvm.fma.v16f32", v16f, [builder.sitofp(s, v16f), scale, builder.load(acc[t])])
+                xi = [_ir_load(builder, ip, builder.add(builder.add(at, at), c(j)), _I32, 4) for j in range(2)]
+                if not halves:
+                    xi = [builder.add(xi[0], xi[1])]
+                a = builder.load(acc[t])
+                dx = _ir_splat(builder, _ir_load(builder, dp, at, _F32T, 4), 16)
+                for j, s in enumerate(sums[t] for sums in isum):
+                    if bias:
+                        s = builder.sub(s, _ir_splat(builder, builder.mul(xi[j], ir.Constant(_I32, bias)), 16))
+                    scale = builder.fmul(mw if j else dw, dx)
+                    a = _ir_call(builder, "llvm.fma.v16f32", v16f, [builder.sitofp(s, v16f), scale, a])
                 if has_m:
                     a = _ir_call(builder, "llvm.fma.v16f32", v16f,
                                  [mw, _ir_splat(builder, _ir_load(builder, sp, at, _F32T, 4), 16), a])
@@ -342,7 +383,7 @@ def _make_panel_dots(isa: str):
             builder.store(builder.load(acc[t]), ptr, align=4)
 
     def tile_f32(builder, kind, arrays, t0, tt, last):  # tmp[t0 + t, :] for t < tt, float32 x
-        _, _, groups, pbs, bias, has_m, sbytes, five = _KINDS[kind]
+        _, _, groups, pbs, bias, has_m, sbytes, bits, halves = _KINDS[kind]
         pp, xp, tmp, n = arrays
         nb = builder.sdiv(n, ir.Constant(n.type, 32))
         c = lambda v: ir.Constant(n.type, v)  # noqa: E731
@@ -353,27 +394,27 @@ def _make_panel_dots(isa: str):
             b = loop.index
             ob = builder.mul(b, c(pbs))
             xo = builder.mul(b, c(32))
-            dw, mw = scales(builder, pp, builder.add(ob, c(64 * (groups + five))), sbytes, has_m)
-            if five:
-                h = _ir_load(builder, pp, builder.add(ob, c(64 * groups)), v16i, 1)
+            dw, mw = scales(builder, pp, builder.add(ob, c(64 * (groups + bits))), sbytes, has_m or halves)
+            hv = [_ir_load(builder, pp, builder.add(ob, c(64 * (groups + j))), v16i, 1) for j in range(bits)]
             a = [builder.load(x) for x in acc]
             for k in range(groups):
                 v = _ir_load(builder, pp, builder.add(ob, c(64 * k)), v16i, 1)  # lane r: row r's 4 bytes
-                if groups == 8:   # (column, shift, mask, fifth bit's position in h) of each element in the lane
+                if groups == 8:   # (column, shift, mask, position in h of its high bits) of each element in the lane
                     cols = [(4 * k + i, 8 * i, 255, None) for i in range(4)]
                 else:
                     cols = ([(4 * k + i, 8 * i, 15, 8 * i + k) for i in range(4)]
                             + [(16 + 4 * k + i, 8 * i + 4, 15, 8 * i + 4 + k) for i in range(4)])
                 for col, shift, mask, bit in cols:
                     q = builder.and_(builder.lshr(v, _const_vec(_I32, 16, shift)), _const_vec(_I32, 16, mask))
-                    if five:  # the fifth bit, moved from `bit` to bit 4
-                        f = (builder.lshr(h, _const_vec(_I32, 16, bit - 4)) if bit > 4 else
-                             builder.shl(h, _const_vec(_I32, 16, 4 - bit)) if bit < 4 else h)
-                        q = builder.or_(q, builder.and_(f, _const_vec(_I32, 16, 16)))
+                    for j, h in enumerate(hv):  # bit 4 + j, at `bit` of h
+                        q = builder.or_(q, move_bit(builder, h, bit, 4 + j, _I32, 16))
                     if bias:
                         q = builder.sub(q, _const_vec(_I32, 16, bias))
                     f = builder.sitofp(q, v16f)
-                    w = _ir_call(builder, "llvm.fma.v16f32", v16f, [f, dw, mw]) if has_m else builder.fmul(f, dw)
+                    if halves:
+                        w = builder.fmul(f, mw if col >= 16 else dw)
+                    else:
+                        w = _ir_call(builder, "llvm.fma.v16f32", v16f, [f, dw, mw]) if has_m else builder.fmul(f, dw)
                     for t in range(tt):
                         xv = _ir_splat(builder, _ir_load(builder, xrow[t], builder.add(xo, c(col)), _F32T, 4), 16)
                         a[t] = _ir_call(builder, "llvm.fma.v16f32", v16f, [w, xv, a[t]])
