@@ -128,6 +128,25 @@ def test_int8_generate_batch_equals_each_prompt_alone(tmp_path):
     assert m.generate_batch(prompts, temperature=0, max_tokens=10, max_batch=3) == alone
 
 
+def test_int8_lone_sequence_takes_the_fused_step(tmp_path, monkeypatch):
+    """int8 mode with every product weight in panels: a sequence decoding alone takes the fused
+    decode step over its pages (whose bits are the packed pass's) and gets a session's tokens;
+    a model with a weight without panels (float16) keeps the packed pass, and generate_batch
+    runs its prompts one by one."""
+    from npllama.engine import batch
+    from npllama.generation import scheduler
+    m = npllama.Model(write_tiny_llama(tmp_path / "m.gguf", qtype=QT.Q4_1), threads=2, activations="int8")
+    calls = []
+    monkeypatch.setattr(scheduler, "decode_alone", lambda *a, **k: calls.append(1) or batch.decode_alone(*a, **k))
+    prompts = prompts_of((5, 11), seed=7)
+    alone = [m.generate(p, temperature=0, max_tokens=6) for p in prompts]
+    assert m.generate_batch(prompts, temperature=0, max_tokens=6, max_batch=1) == alone
+    assert len(calls) == 2 * 5  # every token after each prompt's first
+    f16 = npllama.Model(write_tiny_llama(tmp_path / "f.gguf", qtype=QT.F16), activations="int8")
+    assert not batch.steps_match(f16) and not batch.decodes_alone(f16)
+    assert batch.steps_match(npllama.Model(tmp_path / "f.gguf"))  # the exact mode
+
+
 def test_packed_batch_in_chunks_and_through_blas(model, monkeypatch):
     from npllama.engine import batch
     monkeypatch.setattr(batch, "CHUNK_TOKENS", 5)  # chunks cut through the sequences

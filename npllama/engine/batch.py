@@ -38,7 +38,7 @@ from ..kernels.threads import check_threads, using_threads
 from . import block
 from .ops import PanelOps, fits_rows
 
-__all__ = ["forward_batch", "decode_alone", "batch_mask"]
+__all__ = ["forward_batch", "decode_alone", "batch_mask", "steps_match"]
 
 CHUNK_TOKENS = 256     # packed tokens per pass through the layers (longer batches run in chunks)
 USE_ROW_KERNELS = True  # False: every product through the tiled-dequant + BLAS path
@@ -129,12 +129,22 @@ def _ops(model, attention, rows_kernels):
     return PanelOps(model, attention, int8=model.activations == "int8")
 
 
+def steps_match(model) -> bool:
+    """Whether a packed pass gives each token the bits of a session's fused decode step: in
+    the exact mode (the same products up to float rounding, which greedy results never showed
+    apart), and in int8 mode when every product weight has panels (kernels/panels.py: the
+    step and the pass then run the same kernels; with a weight without them the step's int8
+    row dots and the pass's float32 rows differ in the last bits, which a token's
+    quantization can carry into any bit)."""
+    return model.activations == "f32" or all(model.panels(w) is not None for w in model.product_weights())
+
+
 def decodes_alone(model) -> bool:
-    """Whether `decode_alone` applies to `model`: exact (float32) activations, and no mixture
-    of experts (which the fused step does not run). With int8 activations a token's products
-    depend on the last bit of its input (its quantization rounds), so a lone sequence takes
-    the packed pass as in a batch: its results then do not depend on the batch."""
-    return model.activations == "f32" and not model.config.n_expert
+    """Whether `decode_alone` applies to `model`: a packed pass's results equal the fused
+    step's (`steps_match`), and no mixture of experts (which the fused step does not run).
+    Otherwise a lone sequence takes the packed pass as in a batch: its results then do not
+    depend on the batch."""
+    return not model.config.n_expert and steps_match(model)
 
 
 def decode_alone(model, pool: KVPool, seq: PoolSeq, token: int, *, threads: int | None = None) -> np.ndarray:

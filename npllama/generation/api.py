@@ -191,8 +191,8 @@ def generate_batch(model, prompts: Sequence, *, progress: bool | None = None, **
     with a product weight of a type without panels (kernels/panels.py), which the decode step
     and the batched pass would compute with different kernels.
     """
-    if model.device == "cpu" and (model.activations == "f32"
-                                  or all(model.panels(w) is not None for w in model.product_weights())):
+    from ..engine.batch import steps_match
+    if model.device == "cpu" and steps_match(model):
         from .scheduler import generate_many
         return generate_many(model, prompts, progress=progress, **options)
     results = []
