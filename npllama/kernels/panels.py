@@ -340,7 +340,10 @@ def _make_panel_dots(isa: str):
             b = loop.index
             ob = builder.mul(b, c(pbs))
             xo = builder.mul(b, c(32))
-            isum = [[ir.Constant(v16i, [0] * 16)] * tt for _ in range(2 if halves else 1)]
+            # two chains of dots a row for Q6_K's halves, and in a tile of one row, whose one
+            # chain would wait on each dot's latency (a tile of 4 rows has 4 chains already)
+            chains = 2 if halves or tt == 1 else 1
+            isum = [[ir.Constant(v16i, [0] * 16)] * tt for _ in range(chains)]
 
             def x4(t, col):  # the 4 bytes of row t's x from column 32 b + col, in every lane
                 w = _ir_load(builder, xrow[t], builder.add(xo, c(col)), _I32, 1)
@@ -358,18 +361,19 @@ def _make_panel_dots(isa: str):
                     parts = [(builder.or_(parts[0][0], move_bit(builder, h, k, 4 + j, _I8, 64)), parts[0][1]),
                              (builder.or_(parts[1][0], move_bit(builder, h, 4 + k, 4 + j, _I8, 64)), parts[1][1])]
                 for half, (u, col) in enumerate(parts):
-                    sums = isum[half if halves else 0]
+                    sums = isum[(half if len(parts) == 2 else k) % chains]
                     for t in range(tt):
                         sums[t] = _ir_dpbusd(builder, sums[t], u, x4(t, col), isa)
             dw, mw = scales(builder, pp, builder.add(ob, c(64 * (groups + bits))), sbytes, has_m or halves)
             for t in range(tt):
                 at = builder.add(brow[t], b)
                 xi = [_ir_load(builder, ip, builder.add(builder.add(at, at), c(j)), _I32, 4) for j in range(2)]
-                if not halves:
-                    xi = [builder.add(xi[0], xi[1])]
+                sums = [chain[t] for chain in isum]
+                if not halves:  # one sum a block: the chains' (integers: exact in any order)
+                    xi, sums = [builder.add(xi[0], xi[1])], [sums[0] if chains == 1 else builder.add(sums[0], sums[1])]
                 a = builder.load(acc[t])
                 dx = _ir_splat(builder, _ir_load(builder, dp, at, _F32T, 4), 16)
-                for j, s in enumerate(sums[t] for sums in isum):
+                for j, s in enumerate(sums):
                     if bias:
                         s = builder.sub(s, _ir_splat(builder, builder.mul(xi[j], ir.Constant(_I32, bias)), 16))
                     scale = builder.fmul(mw if j else dw, dx)
