@@ -60,12 +60,15 @@ def _paged_block(q, kv, table, i0, pos0, g0, scale, window, k0, k1, m, l, acc, s
         for gi in range(NG):
             g = g0 + gi
             h0 = g * G
+            p, o = b0 // ps, b0 % ps  # key b0 + j's page and offset, stepped (no division a key)
             for j in range(n):
-                t = b0 + j
-                rec = kv[table[t // ps], t % ps, g]  # (2, D) view: read through the page table
+                rec = kv[table[p], o, g]  # (2, D) view: read through the page table
                 for d in range(D):
                     kb[j, d] = _ld(rec[0], d)
                     vb[j, d] = _ld(rec[1], d)
+                o += 1
+                if o == ps:
+                    p, o = p + 1, 0
             for j in range(n, _BLOCK):  # past the block's end: finite, and weighted 0 by _rescale
                 for d in range(D):
                     kb[j, d] = 0.0
