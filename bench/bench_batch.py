@@ -4,14 +4,16 @@ token, float16-KV fidelity and the saving from shared prompt prefixes. Never a p
 
     python bench/bench_batch.py [--n 16,64] [--gen 64] [--max-batch 16] [--threads 2]
                                 [--engines npllama,llama.cpp,llama.cpp-batched] [--model PATH]
-                                [--activations f32|int8]
+                                [--activations f32|int8] [--rounds R]
 
 Throughput is generated tokens per second of wall time over the whole set (prefill included);
 llama.cpp runs each prompt greedily for the number of tokens npllama generated for it, one by one
 (`llama.cpp`) and in its own batched decoding (`llama.cpp-batched`: one context, unified KV cache,
-flash attention, the common prompt prefix decoded once and copied between sequences). The
-reference runs in its own python (the venv of ../shared/tools/setup-refs.sh, or
-$NPLLAMA_REF_PY) and is skipped with a note when llama_cpp is not installed there.
+flash attention, the common prompt prefix decoded once and copied between sequences). With
+--rounds R every engine runs once per round, in turn; the table gives medians, and the ratios
+are also given per round. The reference runs in its own python (the venv of
+../shared/tools/setup-refs.sh, or $NPLLAMA_REF_PY) and is skipped with a note when llama_cpp
+is not installed there.
 """
 from __future__ import annotations
 
@@ -158,7 +160,7 @@ def run_llama_cpp(py, script, path, ids, gens, threads):
     return json.loads(r.stdout.strip().splitlines()[-1]), None
 
 
-def bench_throughput(model, n, gen, max_batch, engines, py, threads):
+def bench_throughput(model, n, gen, max_batch, engines, py, threads, rounds=1):
     from npllama.generation.scheduler import complete_many
     prompts = make_prompts(model, n)
     ids = [model.tokenize(p, special=True) for p in prompts]
@@ -167,47 +169,58 @@ def bench_throughput(model, n, gen, max_batch, engines, py, threads):
     complete_many(model, prompts[:2], temperature=0, max_tokens=2)
     model.complete(prompts[0], temperature=0, max_tokens=2)
 
-    t0 = time.perf_counter()
-    alone = [model.complete(p, temperature=0, max_tokens=gen) for p in prompts]
-    t_seq = time.perf_counter() - t0
+    refs = [(e, script, name) for e, script, name in
+            (("llama.cpp", REF_SCRIPT, "llama.cpp sequential"),
+             ("llama.cpp-batched", BATCHED_REF_SCRIPT, "llama.cpp batched (unified KV)")) if e in engines]
+    if refs and py is None:
+        print("llama.cpp: skipped (no references' python; run ../shared/tools/setup-refs.sh)")
+        refs = []
+    times = {}  # engine name -> seconds in each round (the engines alternate within a round)
+    ref = {}  # engine -> {"seconds": ..., "tokens": ...} of the last round
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        alone = [model.complete(p, temperature=0, max_tokens=gen) for p in prompts]
+        times.setdefault("npllama sequential (generate)", []).append(time.perf_counter() - t0)
+        stats = {}
+        t0 = time.perf_counter()
+        together = complete_many(model, prompts, temperature=0, max_tokens=gen, max_batch=max_batch, stats=stats)
+        times.setdefault("npllama generate_many", []).append(time.perf_counter() - t0)
+        for engine, script, name in list(refs):
+            res, err = run_llama_cpp(py, script, model.path, ids, [max(1, len(c.tokens)) for c in alone], threads)
+            if res is None:
+                print(f"{engine}: skipped ({err})")
+                refs.remove((engine, script, name))
+                times.pop(name, None)
+                continue
+            times.setdefault(name, []).append(res["seconds"])
+            ref[engine] = res
     n_gen = sum(len(c.tokens) for c in alone)
-
-    stats = {}
-    t0 = time.perf_counter()
-    together = complete_many(model, prompts, temperature=0, max_tokens=gen, max_batch=max_batch, stats=stats)
-    t_batch = time.perf_counter() - t0
     same = sum([t.id for t in a.tokens] == [t.id for t in b.tokens] for a, b in zip(alone, together))
+    seq, batch = times["npllama sequential (generate)"], times["npllama generate_many"]
 
     print(f"\n{n} prompts ({n_prompt} prompt tokens, {min(map(len, ids))}..{max(map(len, ids))} each), "
-          f"greedy, up to {gen} new tokens each ({n_gen} generated), max_batch {max_batch}")
+          f"greedy, up to {gen} new tokens each ({n_gen} generated), max_batch {max_batch}"
+          + (f"; median of {rounds} rounds, the engines alternating" if rounds > 1 else ""))
     print(f"{'engine':<34}{'seconds':>9}{'gen tok/s':>11}{'all tok/s':>11}{'vs seq':>9}")
-    rows = [("npllama sequential (generate)", t_seq), ("npllama generate_many", t_batch)]
-    ref = {}  # engine -> {"seconds": ..., "tokens": ...}
-    for engine, script, name in (("llama.cpp", REF_SCRIPT, "llama.cpp sequential"),
-                                 ("llama.cpp-batched", BATCHED_REF_SCRIPT, "llama.cpp batched (unified KV)")):
-        if engine not in engines:
-            continue
-        if py is None:
-            print(f"{engine}: skipped (no references' python; run ../shared/tools/setup-refs.sh)")
-            continue
-        res, err = run_llama_cpp(py, script, model.path, ids, [max(1, len(c.tokens)) for c in alone], threads)
-        if res is None:
-            print(f"{engine}: skipped ({err})")
-        else:
-            rows.append((name, res["seconds"]))
-            ref[engine] = res
-    for name, sec in rows:
+    t_seq = float(np.median(seq))
+    for name, secs in times.items():
+        sec = float(np.median(secs))
         print(f"{name:<34}{sec:>9.2f}{n_gen / sec:>11.1f}{(n_gen + n_prompt) / sec:>11.1f}{t_seq / sec:>8.2f}x")
+    per_round = [a / b for a, b in zip(seq, batch)]
+    if rounds > 1:
+        print("generate_many vs sequential per round: " + ", ".join(f"{x:.2f}x" for x in per_round)
+              + f" (median {np.median(per_round):.2f}x)")
     print(f"generate_many: {stats['steps']} forward passes; token-identical to sequential for {same}/{n} prompts")
     if "llama.cpp-batched" in ref:
         b = ref["llama.cpp-batched"]
+        vs = [r / t for r, t in zip(times["llama.cpp batched (unified KV)"], batch)]
         print(f"generate_many vs llama.cpp batched ({b['prefix']}-token common prefix decoded once): "
-              f"{b['seconds'] / t_batch:.2f}x gen tok/s (issue 21 asks >= 1.5x)")
+              + ", ".join(f"{x:.2f}x" for x in vs) + f" gen tok/s (median {np.median(vs):.2f}x; issue 21 asks >= 1.5x)")
         if "llama.cpp" in ref:
             alike = sum(x == y for x, y in zip(ref["llama.cpp"]["tokens"], b["tokens"]))
             print(f"llama.cpp batched: token-identical to llama.cpp sequential for {alike}/{n} prompts "
                   f"(they may differ: a unified batch changes llama.cpp's logits)")
-    return t_seq / t_batch
+    return float(np.median(per_round))
 
 
 def bench_memory_and_f16(model, text_tokens: int = 160):
@@ -257,6 +270,8 @@ def main():
     ap.add_argument("--engines", default="npllama,llama.cpp,llama.cpp-batched")
     ap.add_argument("--skip", default="", help="comma separated: throughput,memory,prefix")
     ap.add_argument("--activations", default="f32", choices=["f32", "int8"], help="npllama's mode")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="throughput rounds, each running every engine once (medians and per-round ratios)")
     args = ap.parse_args()
 
     import npllama
@@ -267,7 +282,8 @@ def main():
     if "throughput" not in skip:
         py = ref_python()
         for n in (int(x) for x in args.n.split(",")):
-            bench_throughput(model, n, args.gen, args.max_batch, args.engines.split(","), py, args.threads)
+            bench_throughput(model, n, args.gen, args.max_batch, args.engines.split(","), py, args.threads,
+                             args.rounds)
     if "memory" not in skip:
         print()
         bench_memory_and_f16(model)

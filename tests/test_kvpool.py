@@ -192,3 +192,28 @@ def test_prefix_cache_is_evicted_when_pages_run_out():
     c = pool.new_seq()  # the remaining cached page is still usable
     assert pool.prefix.attach(c, list(range(PS)) + [9]) == PS
     assert isinstance(c, PoolSeq)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_write_records_kernel_against_numpy(dtype):
+    """paged_attention.write_records (the pool's write): the NumPy scatter's results, float16
+    rounded as astype (ties, overflow to inf, NaN, subnormals), for one token and several,
+    odd head counts and sizes, strided k and v, in any slot order."""
+    from npllama.kernels.paged_attention import write_records
+    rng = np.random.default_rng(9)
+    for n, KVH_, D_, T in ((7, 1, 5, 1), (40, 3, 64, 16), (9, 2, 33, 9)):
+        kv, ref = np.zeros((n, KVH_, 2, D_), dtype), np.zeros((n, KVH_, 2, D_), dtype)
+        both = rng.normal(size=(T, 2 * KVH_ * D_ + 3)).astype(np.float32) * 100
+        both[0, 3:7] = [65520.0, np.nan, 2.0 ** -25 * 3, 1 + 2.0 ** -11]  # inf, NaN, subnormal, a tie (in k)
+        k = both[:, 3:3 + KVH_ * D_].reshape(T, KVH_, D_)  # strided views
+        v = both[:, 3 + KVH_ * D_:].reshape(T, KVH_, D_)[:, :, ::-1]
+        slots = rng.choice(n, T, replace=False)
+        write_records(kv, slots, k, v)
+        with np.errstate(over="ignore"):  # 65520 rounds to inf in float16
+            ref[slots, :, 0, :] = k
+            ref[slots, :, 1, :] = v
+        np.testing.assert_array_equal(kv.view(np.uint8), ref.view(np.uint8))
+    with pytest.raises(ValueError, match="k and v must be"):
+        write_records(kv, slots, k[:, :1], v[:, :1])
+    with pytest.raises(ValueError, match="slots must be"):
+        write_records(kv, np.full(T, n), k, v)

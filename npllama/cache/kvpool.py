@@ -32,6 +32,7 @@ import math
 
 import numpy as np
 
+from ..kernels.paged_attention import write_records
 from .memory import check_fits, zeros
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
@@ -298,9 +299,7 @@ class KVPool:
     def write(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         """Scatter keys and values (T, KVH, D) into flat slots (T,) of one layer, in place
         (cast to the pool dtype). The slots must come from `reserve`."""
-        flat = self._flat[layer]
-        flat[slots, :, 0, :] = k  # index on the left of '=': a scatter into the pool's memory
-        flat[slots, :, 1, :] = v
+        write_records(self._flat[layer], slots, k, v)  # in place, into the pool's memory
 
     def commit(self, seq: PoolSeq, ids) -> None:
         """Count the positions written by `write` as stored: `ids` are their token ids."""

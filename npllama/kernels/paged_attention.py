@@ -18,7 +18,7 @@ is a block of one. Each task runs the online softmax (running max, running sum, 
 output; flash attention) over the keys its block sees, in chunks at multiples of
 attention._CHUNK merged in order, all query heads of a KV-head group at once (grouped-query
 attention without repeating KV heads), accumulating in float32. A float16 pool is stored as raw uint16 bits
-and converted to float32 on read.
+and converted to float32 on read; `write_records` stores new keys and values into it.
 """
 from __future__ import annotations
 
@@ -28,9 +28,35 @@ import numpy as np
 from numba import njit, prange
 
 from .attention import _BLOCK, _CHUNK, _FASTMATH, _ROWS, _add_values, _merge_head, _rescale, _score_block
-from .f16 import _ld
+from .f16 import _ld, _st, bits
 
-__all__ = ["paged_attend", "plan_blocks"]
+__all__ = ["paged_attend", "plan_blocks", "write_records"]
+
+
+@njit(cache=True)
+def _write_records(kv, slots, k, v):
+    """kv[slots[t], g] = (k[t, g], v[t, g]) for every token t and KV head g, converted to the
+    buffer's storage (float32, or float16 bits rounded as NumPy's astype)."""
+    for t in range(slots.shape[0]):
+        s = slots[t]
+        for g in range(k.shape[1]):
+            for d in range(k.shape[2]):
+                _st(kv[s, g, 0], d, k[t, g, d])
+                _st(kv[s, g, 1], d, v[t, g, d])
+
+
+def write_records(kv: np.ndarray, slots: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+    """Store keys and values k, v (T, KVH, D), any strides, into the records `slots` (T,) of
+    a layer buffer kv (n_records, KVH, 2, D), float32 or float16, in place. The slots must be
+    distinct records of kv (the pool's `reserve` gives them)."""
+    if kv.ndim != 4 or kv.shape[2] != 2 or k.shape != v.shape or k.ndim != 3 or k.shape[1:] != (kv.shape[1],
+                                                                                                 kv.shape[3]):
+        raise ValueError(f"write_records: k and v must be (T, KVH={kv.shape[1]}, D={kv.shape[-1]}) for records "
+                         f"{kv.shape}, got {k.shape} and {v.shape}")
+    slots = np.asarray(slots, dtype=np.int64)
+    if slots.shape != k.shape[:1] or (len(slots) and (slots.min() < 0 or slots.max() >= kv.shape[0])):
+        raise ValueError(f"write_records: slots must be {k.shape[0]} records of the {kv.shape[0]}")
+    _write_records(bits(kv), slots, np.asarray(k, np.float32), np.asarray(v, np.float32))
 
 
 @njit(fastmath=_FASTMATH, cache=True)
