@@ -49,8 +49,7 @@ def write_records(kv: np.ndarray, slots: np.ndarray, k: np.ndarray, v: np.ndarra
     """Store keys and values k, v (T, KVH, D), any strides, into the records `slots` (T,) of
     a layer buffer kv (n_records, KVH, 2, D), float32 or float16, in place. The slots must be
     distinct records of kv (the pool's `reserve` gives them)."""
-    if kv.ndim != 4 or kv.shape[2] != 2 or k.shape != v.shape or k.ndim != 3 or k.shape[1:] != (kv.shape[1],
-                                                                                                 kv.shape[3]):
+    if kv.ndim != 4 or kv.shape[2] != 2 or k.shape != v.shape or k.ndim != 3 or k.shape[1:] != kv.shape[1::2]:
         raise ValueError(f"write_records: k and v must be (T, KVH={kv.shape[1]}, D={kv.shape[-1]}) for records "
                          f"{kv.shape}, got {k.shape} and {v.shape}")
     slots = np.asarray(slots, dtype=np.int64)

@@ -79,8 +79,8 @@ from numba.extending import intrinsic
 
 from .f16 import _half_bits_to_f32
 from .nn import _glu1
-from .quants import (_F32T, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q4_K, _Q5_0, _Q5_1, _Q5_K, _Q6_K, _Q8_0, _const_vec, _ir_call, _ir_load,
-                     _ir_splat, _is_c_array, _shuffle, _vec)
+from .quants import (_F32T, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q4_K, _Q5_0, _Q5_1, _Q5_K, _Q6_K, _Q8_0, _const_vec,
+                     _ir_call, _ir_load, _ir_splat, _is_c_array, _shuffle, _vec)
 from .quants_int8 import DOT_ISA, _ir_f16_vec, _quantize_x_q8
 
 __all__ = ["PANEL", "has_panels", "panel_shape", "pack_panels", "quantize_rows", "activation_rows", "matmul_panels"]
@@ -106,8 +106,8 @@ _KINDS = {
     "q5_0": (22, 6, 4, 352, 16, False, 2, 1, False),
     "q5_1": (24, 8, 4, 384, 0, True, 2, 1, False),
     "q8_0": (34, 2, 8, 544, 128, False, 2, 0, False),
-    "q4_k": (144, 0, 4, 384, 0, True, 4, 0, False),   # a K-quant's GGUF block is a super-block of 256
-    "q5_k": (176, 0, 4, 448, 0, True, 4, 1, False),
+    "q4_k": (144, 16, 4, 384, 0, True, 4, 0, False),   # a K-quant's GGUF block is a super-block of 256
+    "q5_k": (176, 48, 4, 448, 0, True, 4, 1, False),
     "q6_k": (210, 0, 4, 512, 32, False, 4, 2, True),
 }
 _CODES = {_Q4_0: "q4_0", _Q4_1: "q4_1", _Q5_0: "q5_0", _Q5_1: "q5_1", _Q8_0: "q8_0", _Q4_K: "q4_k", _Q5_K: "q5_k",
@@ -172,9 +172,9 @@ def _pack_k(src, dst, size, pbs):
             row = src[p * PANEL + r]
             for sb in range(ns):
                 o = sb * size
-                at = o if bits < 2 else o + 208  # d (Q4_K, Q5_K: then dmin, scales)
+                at = o if bits < 2 else o + 208  # d: first in Q4_K and Q5_K (then dmin and the scales), last in Q6_K
                 d = _half_bits_to_f32(np.uint32(row[at]) | (np.uint32(row[at + 1]) << 8))
-                dmin = _half_bits_to_f32(np.uint32(row[o + 2]) | (np.uint32(row[o + 3]) << 8))
+                dmin = _half_bits_to_f32(np.uint32(row[o + 2]) | (np.uint32(row[o + 3]) << 8))  # not Q6_K's
                 sc = row[o + 4:o + 16]
                 for j in range(8):
                     if bits < 2:
@@ -204,7 +204,8 @@ def _pack_k(src, dst, size, pbs):
                         for i in range(4):
                             v = 0
                             for k in range(4):
-                                v |= ((el[4 * k + i] >> (4 + b)) & 1) << k | ((el[16 + 4 * k + i] >> (4 + b)) & 1) << (4 + k)
+                                v |= ((el[4 * k + i] >> (4 + b)) & 1) << k
+                                v |= ((el[16 + 4 * k + i] >> (4 + b)) & 1) << (4 + k)
                             dst[p, ob + 256 + 64 * b + 4 * r + i] = np.uint8(v)
                     dm[(ob + 256 + 64 * bits) // 4 + r] = s0
                     dm[(ob + 320 + 64 * bits) // 4 + r] = s1
