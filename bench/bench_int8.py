@@ -7,7 +7,8 @@ from inside compiled code as the fused decode step calls them (no Python dispatc
 The int8 columns include quantizing x, once per `share` products as the decode step does
 (q/k/v share the normed input, gate/up too; o, down and the output head have their own x).
 The "panels" columns: the int8 product on the weight's panels (kernels/panels.py), which the
-decode step reads in int8 mode for Q4_0, Q4_1, Q8_0 and Q4_K. Reported: median over passes of the mean time per product.
+decode step reads in int8 mode for every type that has them (`panels.has_panels`). Reported:
+median over passes of the mean time per product.
 
 Usage: python bench/bench_int8.py [--threads N] [--min-mb MB] [--repeats R]
 """
