@@ -131,8 +131,8 @@ def test_int8_generate_batch_equals_each_prompt_alone(tmp_path):
 def test_int8_lone_sequence_takes_the_fused_step(tmp_path, monkeypatch):
     """int8 mode with every product weight in panels: a sequence decoding alone takes the fused
     decode step over its pages (whose bits are the packed pass's) and gets a session's tokens;
-    a model with a weight without panels (float16) keeps the packed pass, and generate_batch
-    runs its prompts one by one."""
+    a model with a weight without panels (float16) fails the condition (`steps_match`) under
+    which the scheduler does so and generate_batch batches; the exact mode meets it."""
     from npllama.engine import batch
     from npllama.generation import scheduler
     m = npllama.Model(write_tiny_llama(tmp_path / "m.gguf", qtype=QT.Q4_1), threads=2, activations="int8")
