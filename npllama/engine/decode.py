@@ -27,7 +27,7 @@ import threading
 import numpy as np
 from numba import njit, prange
 
-from ..kernels.attention import _BLOCK, _CHUNK, _decode_chunk, _merge_chunks
+from ..kernels.attention import _BLOCK, _CHUNK, _chunk_span, _decode_chunk, _merge_chunks
 from ..kernels.paged_attention import _paged_block
 from ..kernels.f16 import _st, bits
 from ..kernels.nn import ACTS, _glu1, _glu_row, _rmsnorm_row, _rope_row
@@ -516,8 +516,7 @@ def _fixed_chunks(ctr, home, nr, slot, pos, lo, q, kv, pages, ps, window, scale,
     the batched pass's `_paged_block` as a query block of one row; then merged in order
     (`_merge_chunks`)."""
     KVH, G, D = q.shape
-    c0 = lo // _CHUNK
-    n_chunks = pos // _CHUNK + 1 - c0
+    c0, n_chunks = _chunk_span(lo, pos + 1)
     per = KVH if n_chunks < nr else 1  # items per chunk
     NG = KVH // per  # KV heads per item
     kv5 = kv.reshape(kv.shape[0] // ps, ps, KVH, 2, D)

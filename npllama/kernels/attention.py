@@ -348,6 +348,14 @@ def _accumulate(q, kv, i0, pos0, g, t0, t1, window, scale, softcap, mask, use_ma
                 _add_values(acc[r, gh], s[r, gh], vb)
 
 
+@njit(cache=True)
+def _chunk_span(t0, t1):
+    """(c0, n): the keys t0..t1-1 lie in the n chunks c0..c0+n-1 at multiples of _CHUNK (at
+    least one chunk, for an empty span)."""
+    c0 = t0 // _CHUNK
+    return c0, max(1, (t1 - 1) // _CHUNK + 1 - c0)
+
+
 @njit(parallel=True, fastmath=_FASTMATH, cache=True)
 def _decode_kernel(q, kv, t0, t1, qpos, window, scale, softcap, mask, use_mask, alibi, use_alibi, out):
     """One query (S == 1) over keys t0..t1-1 (t0 a multiple of _BLOCK), in chunks at multiples
@@ -359,8 +367,7 @@ def _decode_kernel(q, kv, t0, t1, qpos, window, scale, softcap, mask, use_mask, 
     D = q.shape[2]
     KVH = kv.shape[1]
     G = H // KVH
-    c0 = t0 // _CHUNK
-    n_chunks = max(1, (t1 - 1) // _CHUNK + 1 - c0)
+    c0, n_chunks = _chunk_span(t0, t1)
     # running state per (chunk, KV head), with the single query row as axis 2
     part_m = np.full((n_chunks, KVH, 1, G), -np.inf, dtype=np.float32)
     part_l = np.zeros((n_chunks, KVH, 1, G), dtype=np.float32)
@@ -483,8 +490,7 @@ def _prefill_kernel(q, kv, kv_len, offset, window, scale, softcap, mask, use_mas
         pos0 = offset + i0
         t0 = max(0, pos0 - window + 1) // _BLOCK * _BLOCK if window > 0 else 0
         t1 = min(pos0 + R, kv_len)
-        c0 = t0 // _CHUNK
-        n_chunks = max(1, (t1 - 1) // _CHUNK + 1 - c0)
+        c0, n_chunks = _chunk_span(t0, t1)
         m = np.full((n_chunks, R, G), -np.inf, dtype=np.float32)
         l = np.zeros((n_chunks, R, G), dtype=np.float32)
         acc = np.zeros((n_chunks, R, G, D), dtype=np.float32)

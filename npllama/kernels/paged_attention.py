@@ -27,7 +27,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .attention import _BLOCK, _CHUNK, _FASTMATH, _ROWS, _add_values, _merge_head, _rescale, _score_block
+from .attention import (_BLOCK, _CHUNK, _FASTMATH, _ROWS, _add_values, _chunk_span, _merge_head, _rescale,
+                        _score_block)
 from .f16 import _ld, _st, bits
 
 __all__ = ["paged_attend", "plan_blocks", "write_records"]
@@ -138,8 +139,7 @@ def _paged_kernel(q, kv, tables, blk_seq, blk_row, blk_pos, blk_len, scale, wind
         R = blk_len[k]
         i0 = blk_row[k]
         pos0 = blk_pos[k]
-        c0 = max(0, pos0 - window + 1) // _CHUNK if window > 0 else 0
-        n_chunks = (pos0 + R - 1) // _CHUNK + 1 - c0
+        c0, n_chunks = _chunk_span(max(0, pos0 - window + 1) if window > 0 else 0, pos0 + R)
         m = np.full((n_chunks, NG, R, G), -np.inf, dtype=np.float32)
         l = np.zeros((n_chunks, NG, R, G), dtype=np.float32)
         acc = np.zeros((n_chunks, NG, R, G, D), dtype=np.float32)
