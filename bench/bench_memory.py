@@ -1,17 +1,23 @@
 """Peak memory of a long session: the model file, the KV cache, and everything else.
 
     python bench/bench_memory.py [--tokens 4096] [--model PATH] [--kv-dtype float16] [--activations int8]
+                                 [--llama-cpp]
 
 Prints peak RSS (which counts the memory-mapped weights once they are read), the model file
 size, the KV cache size, the runtime's own footprint (Python, NumPy, Numba and its LLVM JIT,
 measured before the model is touched), and what is left over (with ``--activations int8``, it
 includes the weights' panels, a second copy that the products read, printed), then what the runtime is made of: LLVM's shared library, and whether Numba
 imported SciPy (it does at its first compile or cache load when SciPy is installed, for
-BLAS). Never a pass/fail test.
+BLAS). With --llama-cpp, the same tokens through llama-cpp-python in a fresh process of the
+references' python (../shared/tools/setup-refs.sh, or $NPLLAMA_REF_PY), with a context of the
+session's capacity and its float16 cache, flash attention off (its default) and on: their
+peak RSS beside npllama's. Never a pass/fail test.
 """
 import argparse
+import json
 import os
 import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,6 +25,20 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench_compare import ref_python  # noqa: E402
+
+# Runs inside the references' python: argv = gguf path, context size, flash attention (0/1), ids
+# json. Prints the process's peak RSS in MiB after the prompt and one more token.
+LLAMA_CPP = r'''
+import json, resource, sys
+from llama_cpp import Llama
+ids = json.loads(sys.argv[4])
+llm = Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=2, n_threads_batch=2,
+            flash_attn=sys.argv[3] == "1", verbose=False)
+llm.eval(ids[:-1])
+llm.eval(ids[-1:])
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+'''
 
 
 def rss_mib() -> float:
@@ -44,6 +64,7 @@ def main():
     ap.add_argument("--kv-dtype", choices=["float32", "float16"],
                     help="KV cache storage (default: the mode's, float16 with --activations int8, else float32)")
     ap.add_argument("--activations", default="f32", choices=["f32", "int8"], help="decode activations")
+    ap.add_argument("--llama-cpp", action="store_true", help="also llama-cpp-python's peak RSS on the same tokens")
     args = ap.parse_args()
     import npllama
     from npllama.kernels import quants
@@ -68,6 +89,17 @@ def main():
               f"the file's rows of those weights leave the resident set as they are packed)")
     print(f"runtime: LLVM's library {llvm:.0f} MiB resident; Numba imported SciPy for its BLAS bindings: "
           f"{'yes' if scipy else 'no'}")
+    if args.llama_cpp:
+        py = ref_python()
+        if py is None:
+            print("llama-cpp-python: skipped (no references' python; run ../shared/tools/setup-refs.sh)")
+            return
+        for fa in (0, 1):
+            out = subprocess.run([py, "-c", LLAMA_CPP, m.path, str(s.cache.capacity), str(fa),
+                                  json.dumps(ids.tolist())], capture_output=True, text=True, check=True)
+            theirs = float(out.stdout.split()[-1])
+            print(f"llama-cpp-python, flash attention {'on' if fa else 'off'}, n_ctx {s.cache.capacity}, float16 "
+                  f"cache: peak RSS {theirs:.0f} MiB; npllama / llama-cpp-python {peak / theirs:.2f}")
 
 
 if __name__ == "__main__":

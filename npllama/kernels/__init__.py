@@ -1,4 +1,6 @@
 """Compiled kernels (Numba): quant formats and their products, norms, RoPE, attention."""
 from .cachestamp import install as _install_cache_locators
+from .codepages import install as _install_code_page_release
 
 _install_cache_locators()  # before any kernel module compiles or loads a cached function
+_install_code_page_release()  # LLVM's code leaves the resident set after each load

@@ -1,0 +1,84 @@
+"""LLVM's code pages, resident only while Numba compiles or loads a kernel.
+
+Numba links all of LLVM (llvmlite's libllvmlite.so, 170 MB on disk). Its start (it compiles
+its runtime's module) and each kernel it loads from its cache run parts of that library, and
+Linux maps a file's pages in large folios (1 MiB here), so after the first kernel ~108 MiB of
+the library stay in the process's resident set, though a process whose kernels are loaded
+runs none of that code until it loads another. `install` has every outermost release of
+Numba's compiler lock (the end of each load or compile) hand the library's clean mappings back
+with madvise(MADV_DONTNEED): their pages stay in the OS's page cache, and the next load faults
+back those it runs, from memory rather than disk. Mappings that the dynamic linker wrote
+(relocations) are private copies and are left alone. A no-op where there is no /proc/self/smaps
+or madvise (not Linux).
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import threading
+
+from numba.core import event
+
+LIBRARY = "libllvmlite"
+
+
+def clean_mappings(name: str = LIBRARY, smaps: str = "/proc/self/smaps") -> list[tuple[int, int]]:
+    """The (start, end) addresses of this process's read-only mappings of a file whose path
+    contains `name` and none of whose pages were ever written (no private dirty or anonymous
+    pages): what the OS can always read again from the file."""
+    found, current = [], None
+    with open(smaps) as f:
+        for line in f:
+            first = line.split(maxsplit=1)[0]
+            if "-" in first and not first.endswith(":"):  # a mapping's header line
+                fields = line.split()
+                current = None
+                if len(fields) >= 6 and name in fields[5] and "w" not in fields[1]:
+                    start, end = (int(a, 16) for a in first.split("-"))
+                    current = [start, end, True]
+                    found.append(current)
+            elif current is not None and first in ("Private_Dirty:", "Anonymous:") and int(line.split()[1]):
+                current[2] = False
+    return [(start, end) for start, end, clean in found if clean]
+
+
+class _Releaser(event.Listener):
+    """Listens to Numba's compiler lock; at its outermost release (per thread: the lock is
+    re-entrant) drops the library's clean pages from the resident set."""
+
+    def __init__(self, ranges: list[tuple[int, int]], madvise):
+        self.ranges, self.madvise = ranges, madvise
+        self.depth = threading.local()
+
+    def on_start(self, ev):
+        self.depth.n = getattr(self.depth, "n", 0) + 1
+
+    def on_end(self, ev):
+        self.depth.n = getattr(self.depth, "n", 1) - 1
+        if self.depth.n == 0:
+            self.release()
+
+    def release(self) -> None:
+        for start, end in self.ranges:
+            self.madvise(start, end - start, mmap.MADV_DONTNEED)
+
+
+_releaser: _Releaser | None = None
+
+
+def install() -> _Releaser | None:
+    """Release LLVM's code pages after every kernel load or compile from now on (once per
+    process; later calls return the same listener). None where the OS cannot."""
+    global _releaser
+    if _releaser is not None or not hasattr(mmap, "MADV_DONTNEED"):
+        return _releaser
+    try:
+        import llvmlite.binding.ffi  # noqa: F401  (maps the library, as Numba's import has)
+        ranges = clean_mappings()
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    _releaser = _Releaser(ranges, madvise)
+    event.register("numba:compiler_lock", _releaser)
+    return _releaser
