@@ -255,3 +255,29 @@ def test_a_broken_vocabulary_fails_when_the_model_loads(tmp_path):
     path = write_tiny_llama(tmp_path / "m.gguf", merges=["Ġ t", "zz qq"])
     with pytest.raises(npllama.GGUFError, match="m.gguf.*merge"):
         npllama.Model(path)
+
+
+@pytest.mark.parametrize("activations", ["f32", "int8"])
+def test_a_prompt_loads_the_decode_step_before_it_fills_the_cache(tmp_path, monkeypatch, activations):
+    """Feeding a prompt for its next token's logits loads the fused decode step (for the
+    session's cache) before the prefill, so that the tokens decoded next need no loading;
+    a prompt fed for all its logits (scoring) does not load it."""
+    from npllama.engine import decode
+    path = write_tiny_llama(tmp_path / "m.gguf", qtype=QT.Q4_1, n_embd=96, n_head=6, n_head_kv=2, n_ff=128)
+    m = npllama.Model(path, activations=activations)
+    loads = []
+    load = decode.DecodePlan.load
+    monkeypatch.setattr(decode.DecodePlan, "load", lambda self, cache, threads: loads.append(cache.length)
+                        or load(self, cache, threads))
+    m.session().feed(IDS, all_logits=True)
+    assert loads == []
+    s = m.session()
+    s.feed(IDS[:3])
+    s.feed(IDS[3:])
+    assert loads == [0, 3]
+
+    def compile_for_args(*args, **kws):
+        raise AssertionError("the decode step was not loaded for this call")
+    monkeypatch.setattr(decode._decode_step, "_compile_for_args", compile_for_args)
+    want = npllama.Model(path, activations=activations).session().feed(IDS + [5], all_logits=True)[-1]
+    np.testing.assert_allclose(s.feed([5]), want, rtol=0, atol=5e-2 if activations == "int8" else 1e-4)

@@ -143,7 +143,28 @@ class DecodePlan:
         pool.commit(seq, [token])
         return logits
 
+    def load(self, cache, threads: int) -> None:
+        """Load the step's machine code for `cache` (from Numba's cache, or compile it) without
+        running a step. A prompt's prefill calls this before it fills the cache: loading a
+        kernel maps ~50 MiB of LLVM's code back for a moment (kernels/codepages.py), which
+        would otherwise come on top of a long prompt's whole cache at its first decoded token."""
+        kvs = cache.buffers()
+        with self._lock:
+            args = self._arguments(0, cache.length, kvs, _WHOLE, kvs.shape[1], threads,
+                                   np.empty(self.model.config.n_vocab, np.float32))
+            sig = tuple(_decode_step.typeof_pyval(a) for a in args)
+            if sig not in _decode_step.overloads:
+                _decode_step.compile(sig)
+
     def _run(self, token, pos, kvs, pages, ps, threads) -> np.ndarray:
+        logits = np.empty(self.model.config.n_vocab, np.float32)
+        with self._lock:  # the steps of a model's sessions share its working memory
+            _decode_step(*self._arguments(token, pos, kvs, pages, ps, threads, logits))
+        return block.softcap(logits, self.model.config.softcap)
+
+    def _arguments(self, token, pos, kvs, pages, ps, threads, logits) -> tuple:
+        """`_decode_step`'s arguments for a step at `pos` that writes `logits`; the caller
+        holds the lock that guards the working memory among them."""
         m, cfg = self.model, self.model.config
         # attention work items: chunks of keys, at least half a block each (a sliding layer
         # splits its window into as many, some of them empty when the window is short)
@@ -151,15 +172,12 @@ class DecodePlan:
             n_chunks = pos // _CHUNK + 1
         else:
             n_chunks = max(1, min(_CHUNKS_PER_THREAD * threads, (pos + 1) // (_BLOCK // 2)))
-        logits = np.empty(cfg.n_vocab, np.float32)
         cos, sin = m.ropes.tables(pos + 1)
-        with self._lock:  # the steps of a model's sessions share its working memory
-            _decode_step(token, pos, n_chunks, self.buffer, self.panels, self.table, self.attn_norm, self.ffn_norm,
-                         self.bq, self.bk, self.bv, self.q_norm, self.k_norm, self.post_attn, self.post_ffn,
-                         self.lcfg, self.act, self.embd_scale, bits(kvs), pages, ps, cos, sin, cfg.rope_neox,
-                         self.eps, self.scale, cfg.n_head, m.output_norm, logits, threads, self.offs,
-                         *self._scratch_for(threads, n_chunks))
-        return block.softcap(logits, cfg.softcap)
+        return (token, pos, n_chunks, self.buffer, self.panels, self.table, self.attn_norm, self.ffn_norm,
+                self.bq, self.bk, self.bv, self.q_norm, self.k_norm, self.post_attn, self.post_ffn,
+                self.lcfg, self.act, self.embd_scale, bits(kvs), pages, ps, cos, sin, cfg.rope_neox,
+                self.eps, self.scale, cfg.n_head, m.output_norm, logits, threads, self.offs,
+                *self._scratch_for(threads, n_chunks))
 
     def _scratch_for(self, threads: int, n_chunks: int) -> tuple:
         """The step's working memory for `threads` workers and `n_chunks` attention chunks,

@@ -257,6 +257,10 @@ class Transformer:
                 # room for the whole prompt at once: growing chunk by chunk would copy the
                 # filled cache at each doubling and hold the old and the new buffer together
                 cache.ensure_capacity(pos + len(ids))
+                if output == "logits" and not all_logits and not self.config.n_expert:
+                    # a prompt for its next token: tokens are decoded next, and the decode
+                    # step is loaded now, before the prompt fills the cache
+                    self.decode_plan.load(cache, threads)
                 positions = np.arange(pos, pos + len(ids), dtype=np.int64)
                 # long prompts run in chunks, which bounds the activations' memory
                 outs = [self._forward(ids[i:i + PREFILL_CHUNK], positions[i:i + PREFILL_CHUNK], cache,
