@@ -54,7 +54,9 @@ class _Releaser(event.Listener):
         self.depth.n = getattr(self.depth, "n", 0) + 1
 
     def on_end(self, ev):
-        self.depth.n = getattr(self.depth, "n", 1) - 1
+        # an end without its start (the listener installed while the lock was held) counts
+        # as the outermost one rather than leaving the count below zero for good
+        self.depth.n = max(0, getattr(self.depth, "n", 0) - 1)
         if self.depth.n == 0:
             self.release()
 
