@@ -17,7 +17,7 @@ Private_Dirty:         0 kB
 Anonymous:             0 kB
 7f0000100000-7f0000500000 r-xp 00100000 fe:01 42 /venv/llvmlite/binding/libllvmlite.so
 Rss:                4096 kB
-Private_Dirty:         0 kB
+Private_Dirty:      4096 kB
 Anonymous:             0 kB
 7f0000500000-7f0000501000 r--p 00500000 fe:01 42 /venv/llvmlite/binding/libllvmlite.so
 Rss:                   4 kB
@@ -39,8 +39,9 @@ Anonymous:             0 kB
 
 
 def test_clean_mappings_are_the_librarys_read_only_never_written_ones(tmp_path):
-    """The relocated (dirty) read-only mapping, the writable one, other files and anonymous
-    memory are left out."""
+    """The relocated read-only mapping (its pages are private copies: anonymous), the
+    writable one, other files and anonymous memory are left out; a mapping whose pages are
+    dirty in the page cache (a file written a moment ago: Private_Dirty, not Anonymous) is in."""
     f = tmp_path / "smaps"
     f.write_text(SMAPS)
     assert codepages.clean_mappings(smaps=str(f)) == [(0x7f0000000000, 0x7f0000100000),

@@ -8,7 +8,7 @@ runs none of that code until it loads another. `install` has every outermost rel
 Numba's compiler lock (the end of each load or compile) hand the library's clean mappings back
 with madvise(MADV_DONTNEED): their pages stay in the OS's page cache, and the next load faults
 back those it runs, from memory rather than disk. Mappings that the dynamic linker wrote
-(relocations) are private copies and are left alone. A no-op where there is no /proc/self/smaps
+(relocations) hold private copies and are left alone. A no-op where there is no /proc/self/smaps
 or madvise (not Linux).
 """
 from __future__ import annotations
@@ -24,8 +24,10 @@ LIBRARY = "libllvmlite"
 
 def clean_mappings(name: str = LIBRARY, smaps: str = "/proc/self/smaps") -> list[tuple[int, int]]:
     """The (start, end) addresses of this process's read-only mappings of a file whose path
-    contains `name` and none of whose pages were ever written (no private dirty or anonymous
-    pages): what the OS can always read again from the file."""
+    contains `name` and none of whose pages this process wrote (no anonymous pages, the
+    private copies a write makes): what the OS can always read again from the file's pages.
+    (Private_Dirty does not tell: it also counts the page cache's pages of a file written a
+    moment ago, by pip say, and not yet on disk.)"""
     found, current = [], None
     with open(smaps) as f:
         for line in f:
@@ -37,7 +39,7 @@ def clean_mappings(name: str = LIBRARY, smaps: str = "/proc/self/smaps") -> list
                     start, end = (int(a, 16) for a in first.split("-"))
                     current = [start, end, True]
                     found.append(current)
-            elif current is not None and first in ("Private_Dirty:", "Anonymous:") and int(line.split()[1]):
+            elif current is not None and first == "Anonymous:" and int(line.split()[1]):
                 current[2] = False
     return [(start, end) for start, end, clean in found if clean]
 
