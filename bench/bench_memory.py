@@ -28,16 +28,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_compare import ref_python  # noqa: E402
 
 # Runs inside the references' python: argv = gguf path, context size, flash attention (0/1), ids
-# json. Prints the process's peak RSS in MiB after the prompt and one more token.
+# json. Prints the process's peak RSS in MiB after the prompt and one more token: VmHWM, its
+# own memory's high-water mark (getrusage's ru_maxrss would start from this process's RSS at
+# the fork that made the child).
 LLAMA_CPP = r'''
-import json, resource, sys
+import json, sys
 from llama_cpp import Llama
 ids = json.loads(sys.argv[4])
 llm = Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=2, n_threads_batch=2,
             flash_attn=sys.argv[3] == "1", verbose=False)
 llm.eval(ids[:-1])
 llm.eval(ids[-1:])
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+print(next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")) / 1024)
 '''
 
 
