@@ -47,18 +47,6 @@ def rss_mib() -> float:
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def mapped_mib(name: str) -> float:
-    """Resident MiB of the mappings of files whose path contains ``name`` (Linux smaps)."""
-    kib, inside = 0, False
-    for line in open("/proc/self/smaps"):
-        first = line.split(maxsplit=1)[0]
-        if "-" in first and not first.endswith(":"):  # a mapping's header line
-            inside = name in line
-        elif inside and first == "Rss:":
-            kib += int(line.split()[1])
-    return kib / 1024
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4096)
@@ -70,8 +58,9 @@ def main():
     args = ap.parse_args()
     import npllama
     from npllama.kernels import quants
+    from npllama.kernels.codepages import resident_mib
     quants.dequantize(np.zeros((1, 34), np.uint8), 8)  # start Numba's JIT: part of the runtime
-    runtime, llvm, scipy = rss_mib(), mapped_mib("libllvmlite"), "scipy" in sys.modules
+    runtime, llvm, scipy = rss_mib(), resident_mib("libllvmlite"), "scipy" in sys.modules
     m = npllama.load(args.model, kv_dtype=args.kv_dtype, activations=args.activations)
     s = m.session()
     ids = np.random.default_rng(0).integers(100, m.config.n_vocab - 100, args.tokens)
@@ -80,7 +69,7 @@ def main():
     s.feed(ids[-1:])
     dt = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    file_mib = mapped_mib(os.path.basename(m.path))  # int8 mode drops the rows it has panels of
+    file_mib = resident_mib(os.path.basename(m.path))  # int8 mode drops the rows it has panels of
     kv = s.cache.nbytes / 2**20
     print(f"{args.tokens}-token session ({dt:.1f} s): peak RSS {peak:.0f} MiB = model file {file_mib:.0f} "
           f"(resident, of {os.path.getsize(m.path) / 2**20:.0f}) + KV cache {kv:.0f} ({s.cache.dtype}, capacity "

@@ -46,6 +46,7 @@ def test_clean_mappings_are_the_librarys_read_only_never_written_ones(tmp_path):
     f.write_text(SMAPS)
     assert codepages.clean_mappings(smaps=str(f)) == [(0x7f0000000000, 0x7f0000100000),
                                                       (0x7f0000100000, 0x7f0000500000)]
+    assert codepages.resident_mib(smaps=str(f)) == (1024 + 4096 + 4 + 4) / 1024
 
 
 def test_release_comes_at_the_outermost_release_of_the_compiler_lock():
@@ -59,17 +60,6 @@ def test_release_comes_at_the_outermost_release_of_the_compiler_lock():
         assert calls == [(4096, 2 * 4096, codepages.mmap.MADV_DONTNEED)]
 
 
-def llvm_resident_mib() -> float:
-    kib, inside = 0, False
-    for line in open("/proc/self/smaps"):
-        first = line.split(maxsplit=1)[0]
-        if "-" in first and not first.endswith(":"):
-            inside = codepages.LIBRARY in line
-        elif inside and first == "Rss:":
-            kib += int(line.split()[1])
-    return kib / 1024
-
-
 @pytest.mark.skipif(not pathlib.Path("/proc/self/smaps").exists(), reason="Linux only")
 def test_a_compile_leaves_llvm_out_of_the_resident_set_and_its_code_runs(monkeypatch):
     """Compiling touches most of LLVM (over 70 MiB of it); at the end of the compile its pages
@@ -79,7 +69,7 @@ def test_a_compile_leaves_llvm_out_of_the_resident_set_and_its_code_runs(monkeyp
     assert r is not None and r.ranges  # installed by importing npllama.kernels
     after = []
     release = r.release
-    monkeypatch.setattr(r, "release", lambda: (release(), after.append(llvm_resident_mib())))
+    monkeypatch.setattr(r, "release", lambda: (release(), after.append(codepages.resident_mib())))
 
     @njit
     def weighted(a, b):

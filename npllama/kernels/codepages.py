@@ -22,26 +22,39 @@ from numba.core import event
 LIBRARY = "libllvmlite"
 
 
+def _mappings(name: str, smaps: str) -> list[tuple[int, int, str, dict[str, int]]]:
+    """(start, end, permissions, {smaps field: kB}) of each of this process's mappings of a
+    file whose path contains `name`."""
+    found, fields = [], None
+    with open(smaps) as f:
+        for line in f:
+            parts = line.split()
+            if not parts:
+                continue
+            if "-" in parts[0] and not parts[0].endswith(":"):  # a mapping's header line
+                fields = None
+                if len(parts) >= 6 and name in parts[5]:
+                    start, end = (int(a, 16) for a in parts[0].split("-"))
+                    fields = {}
+                    found.append((start, end, parts[1], fields))
+            elif fields is not None and len(parts) == 3 and parts[2] == "kB":
+                fields[parts[0].rstrip(":")] = int(parts[1])
+    return found
+
+
 def clean_mappings(name: str = LIBRARY, smaps: str = "/proc/self/smaps") -> list[tuple[int, int]]:
     """The (start, end) addresses of this process's read-only mappings of a file whose path
     contains `name` and none of whose pages this process wrote (no anonymous pages, the
     private copies a write makes): what the OS can always read again from the file's pages.
     (Private_Dirty does not tell: it also counts the page cache's pages of a file written a
     moment ago, by pip say, and not yet on disk.)"""
-    found, current = [], None
-    with open(smaps) as f:
-        for line in f:
-            first = line.split(maxsplit=1)[0]
-            if "-" in first and not first.endswith(":"):  # a mapping's header line
-                fields = line.split()
-                current = None
-                if len(fields) >= 6 and name in fields[5] and "w" not in fields[1]:
-                    start, end = (int(a, 16) for a in first.split("-"))
-                    current = [start, end, True]
-                    found.append(current)
-            elif current is not None and first == "Anonymous:" and int(line.split()[1]):
-                current[2] = False
-    return [(start, end) for start, end, clean in found if clean]
+    return [(start, end) for start, end, perms, fields in _mappings(name, smaps)
+            if "w" not in perms and not fields.get("Anonymous", 0)]
+
+
+def resident_mib(name: str = LIBRARY, smaps: str = "/proc/self/smaps") -> float:
+    """Resident MiB of this process's mappings of files whose path contains `name`."""
+    return sum(fields.get("Rss", 0) for *_, fields in _mappings(name, smaps)) / 1024
 
 
 class _Releaser(event.Listener):
