@@ -1,4 +1,7 @@
 """npllama.kernels.quants.matmul against gguf.quants.dequantize(data) @ x, for every supported type."""
+import os
+import subprocess
+import sys
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -251,3 +254,52 @@ def test_prefill_rows_dequantize_exactly(qtype):
 @njit
 def _dot_row(code, row, x, xsum):
     return quants._dot_row(code, row, x, xsum)
+
+
+_LOAD_ORDER_SCRIPT = """
+import sys
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from npllama.kernels import quants, quants_int8 as qi
+import test_products as t
+rng = np.random.default_rng(5)
+cases = []
+for qt in (QT[name] for name in sys.argv[2:]):
+    spec = quants._spec(qt)
+    data = t.weight(qt, 37, rng, blocks=(18 if spec.block_size == 32 else 3))
+    cases.append((qt, data, rng.normal(size=data.shape[1] // spec.type_size * spec.block_size).astype(np.float32)))
+if sys.argv[1] == "rows_first":  # the row routines' own libraries, loaded before their callers
+    for qt, data, x in cases:
+        xsum, row, out = np.ones(x.shape[0] // 32, np.float32), np.empty_like(x), np.empty(37, np.float32)
+        quants._rows_f32(int(qt), data, 0, 1, x, xsum, row, out)
+        if qt in qi.INT8_TYPES:
+            qi._rows_i8(int(qt), data, 0, 1, *qi.quantize_x(x), out)
+for qt, data, x in cases:
+    print(qt.name, quants.matmul(data, qt, x).tobytes().hex())
+    print(qt.name + "/int8", qi.matmul_int8(data, qt, x).tobytes().hex())
+"""
+
+
+@pytest.mark.slow
+def test_bits_do_not_depend_on_what_was_loaded_first(tmp_path):
+    """A kernel carries its own copy of each routine it calls, and a process runs the first
+    copy it loaded. The copies must compute the same bits: the products of a weight (exact
+    and int8) are checked in fresh processes on one Numba cache, after compiling, after
+    loading the products alone, and after loading their row routines (quants._rows_f32,
+    quants_int8._rows_i8) on their own first."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([os.path.dirname(tests), tests]))
+    names = [qt.name for qt in DIRECT_DOT_TYPES + list(FLOAT_TYPES)]
+
+    def run(mode):
+        r = subprocess.run([sys.executable, "-c", _LOAD_ORDER_SCRIPT, mode, *names], env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return dict(line.split() for line in r.stdout.splitlines())
+
+    compiled = run("plain")
+    assert len(compiled) == 2 * len(names)
+    for mode in ("plain", "rows_first"):
+        bits = run(mode)
+        assert [k for k in compiled if bits[k] != compiled[k]] == [], mode

@@ -44,7 +44,7 @@ from numba.extending import intrinsic
 
 from .f16 import _ld, bits
 from .nn import _exp, _ir_exp
-from .quants import _F32T, _FAST_FLAGS, _ir_call, _ir_hsum, _ir_load, _ir_splat, _is_c_array, _shuffle, _vec
+from .quants import _F32T, _IR_FLAGS, _ir_call, _ir_hsum, _ir_load, _ir_splat, _is_c_array, _shuffle, _vec
 
 # No 'nnan' / 'ninf': the kernels rely on -inf for removed keys and empty running maxima.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp", "afn"}
@@ -185,7 +185,7 @@ def _ir_reduce16(builder, vs):
                 for r in range(0, 16, 2 * width):
                     lo += [src + r + i for i in range(width)]
                     hi += [src + r + width + i for i in range(width)]
-            folded.append(builder.fadd(_shuffle(builder, a, b, lo), _shuffle(builder, a, b, hi), flags=_FAST_FLAGS))
+            folded.append(builder.fadd(_shuffle(builder, a, b, lo), _shuffle(builder, a, b, hi), flags=_IR_FLAGS))
         vs, width = folded, width // 2
     return vs[0]
 
@@ -241,7 +241,7 @@ def _add_rows(typingctx, a, pv, vb):
                         builder.store(_ir_fma16(builder, p, v, builder.load(acc[4 * e + k])), acc[4 * e + k])
             for k in range(4):
                 out = builder.bitcast(builder.gep(aa.data, [builder.add(d0, c(16 * k))]), _V16.as_pointer())
-                builder.store(builder.fadd(builder.load(acc[k]), builder.load(acc[4 + k]), flags=_FAST_FLAGS), out,
+                builder.store(builder.fadd(builder.load(acc[k]), builder.load(acc[4 + k]), flags=_IR_FLAGS), out,
                               align=4)
         return context.get_dummy_value()
 

@@ -78,7 +78,12 @@ _I8 = ir.IntType(8)
 _I16 = ir.IntType(16)
 _I32 = ir.IntType(32)
 _F32T = ir.FloatType()
-_FAST_FLAGS = tuple(sorted(_FAST))
+# The float operations of the IR below may contract (a multiply and an add into an FMA), but
+# not reassociate: their order is written out in the IR, and a kernel that calls a routine
+# carries a copy of it that LLVM optimizes again inside that kernel's module, where
+# reassociation could regroup a sum. The copies are weak symbols and a process runs the first
+# one it loaded, so a regrouped copy made a product's last bits depend on the load order.
+_IR_FLAGS = ("contract",)
 
 
 def _hardware_f16() -> bool:
@@ -168,7 +173,7 @@ def _ir_hsum(builder, v):
         n //= 2
         lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n))))
         hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, n), list(range(n, 2 * n))))
-        v = builder.fadd(lo, hi, flags=_FAST_FLAGS)
+        v = builder.fadd(lo, hi, flags=_IR_FLAGS)
     return builder.extract_element(v, _ir_i32(0))
 
 
@@ -188,11 +193,11 @@ def _ir_blocks(context, builder, nb_value, nb_type, step, unroll=1):
 
 
 def _ir_accumulate(builder, acc_ptr, value):
-    builder.store(builder.fadd(builder.load(acc_ptr), value, flags=_FAST_FLAGS), acc_ptr)
+    builder.store(builder.fadd(builder.load(acc_ptr), value, flags=_IR_FLAGS), acc_ptr)
 
 
 def _ir_scaled(builder, d, v):
-    return builder.fmul(_ir_splat(builder, d, v.type.count), v, flags=_FAST_FLAGS)
+    return builder.fmul(_ir_splat(builder, d, v.type.count), v, flags=_IR_FLAGS)
 
 
 def _ir_vec_zero(n):
@@ -216,8 +221,8 @@ def _ir_pair_dot(builder, lo, hi, xp, xo):
     vf = ir.VectorType(_F32T, 16)
     x0 = _ir_load(builder, xp, xo, vf, 4)
     x1 = _ir_load(builder, xp, builder.add(xo, ir.Constant(xo.type, 16)), vf, 4)
-    return builder.fadd(builder.fmul(lo, x0, flags=_FAST_FLAGS), builder.fmul(hi, x1, flags=_FAST_FLAGS),
-                        flags=_FAST_FLAGS)
+    return builder.fadd(builder.fmul(lo, x0, flags=_IR_FLAGS), builder.fmul(hi, x1, flags=_IR_FLAGS),
+                        flags=_IR_FLAGS)
 
 
 def _is_c_array(ty, dtype, ndim=1):
@@ -565,7 +570,7 @@ def _shuffle(builder, a, b, idx):
 def _ir_tree_sum(builder, terms):
     """Sum of float vectors as a balanced tree (short dependency chains)."""
     while len(terms) > 1:
-        terms = [builder.fadd(terms[i], terms[i + 1], flags=_FAST_FLAGS) if i + 1 < len(terms) else terms[i]
+        terms = [builder.fadd(terms[i], terms[i + 1], flags=_IR_FLAGS) if i + 1 < len(terms) else terms[i]
                  for i in range(0, len(terms), 2)]
     return terms[0]
 
@@ -599,7 +604,7 @@ def _ir_bit_select(builder, v, bit, value):
 
 def _ir_fma_x(builder, acc, w, xp, xo):
     """acc += w * x[xo : xo + 32] (acc: a pointer to a <32 x float>)."""
-    _ir_accumulate(builder, acc, builder.fmul(w, _ir_load(builder, xp, xo, _vec(_F32T, 32), 4), flags=_FAST_FLAGS))
+    _ir_accumulate(builder, acc, builder.fmul(w, _ir_load(builder, xp, xo, _vec(_F32T, 32), 4), flags=_IR_FLAGS))
 
 
 def _ir_k_scales(builder, rp, o):
@@ -630,7 +635,7 @@ def _ir_halves(builder, scales, s):
 def _ir_i2f(builder, v, scale):
     """float vector scale * float(v), for an integer vector v."""
     f = builder.sitofp(v, _vec(_F32T, v.type.count))
-    return builder.fmul(_ir_splat(builder, scale, v.type.count), f, flags=_FAST_FLAGS)
+    return builder.fmul(_ir_splat(builder, scale, v.type.count), f, flags=_IR_FLAGS)
 
 
 def _ir_q5_halves(builder, rp, o, bias):
@@ -658,7 +663,7 @@ def _ir_block_term(builder, acc, d, lo, hi, xp, b):
 
 def _ir_min_term(builder, acc_m, m, sp, b):
     """Lane 0 of the <8 x float> at acc_m += m * xsum[b]: a block minimum's term."""
-    mx = builder.fmul(m, _ir_load(builder, sp, b, _F32T, 4), flags=_FAST_FLAGS)
+    mx = builder.fmul(m, _ir_load(builder, sp, b, _F32T, 4), flags=_IR_FLAGS)
     _ir_accumulate(builder, acc_m, builder.insert_element(_ir_vec_zero(8), mx, _ir_i32(0)))
 
 
@@ -706,7 +711,7 @@ def _block_k_4_5(builder, rp, xp, sp, b, acc, acc_m, five):
     dl = _ir_i2f(builder, sc, d)
     ml = _ir_i2f(builder, mn, dmin)
     xs = _ir_load(builder, sp, builder.mul(b, c(8)), _vec(_F32T, 8), 4)
-    builder.store(builder.fsub(builder.load(acc_m), builder.fmul(ml, xs, flags=_FAST_FLAGS), flags=_FAST_FLAGS),
+    builder.store(builder.fsub(builder.load(acc_m), builder.fmul(ml, xs, flags=_IR_FLAGS), flags=_IR_FLAGS),
                   acc_m)
     x0 = builder.mul(b, c(256))
     for j, q in enumerate(_ir_k_quants(builder, rp, o, five)):
@@ -769,7 +774,7 @@ def _block_q6_k(builder, rp, xp, sp, b, acc, acc_m):
     dl, runs = _ir_q6_k(builder, rp, builder.mul(b, ir.Constant(b.type, 210)))
     x0 = builder.mul(b, ir.Constant(b.type, 256))
     for k, (e0, s, q) in enumerate(runs):
-        w = builder.fmul(_ir_halves(builder, dl, s), q, flags=_FAST_FLAGS)
+        w = builder.fmul(_ir_halves(builder, dl, s), q, flags=_IR_FLAGS)
         _ir_fma_x(builder, acc[k % len(acc)], w, xp, builder.add(x0, ir.Constant(b.type, e0)))
 
 
@@ -798,7 +803,7 @@ def _block_q3_k(builder, rp, xp, sp, b, acc, acc_m):
             low = _ir_b8(builder, _ir_b8(builder, qs, "lshr", 2 * kk), "and", 3)
             high = _ir_bit_select(builder, hm, k, 4)
             q = _ir_b8(builder, builder.or_(low, high), "sub", 4)
-            w = builder.fmul(_ir_halves(builder, dl, 2 * k), builder.sitofp(q, _vec(_F32T, 32)), flags=_FAST_FLAGS)
+            w = builder.fmul(_ir_halves(builder, dl, 2 * k), builder.sitofp(q, _vec(_F32T, 32)), flags=_IR_FLAGS)
             _ir_fma_x(builder, acc[k % len(acc)], w, xp, builder.add(x0, c(32 * k)))
 
 
@@ -820,8 +825,8 @@ def _block_q2_k(builder, rp, xp, sp, b, acc, acc_m):
         for k in range(4):
             s = 8 * h + 2 * k
             q = builder.sitofp(_ir_b8(builder, _ir_b8(builder, qs, "lshr", 2 * k), "and", 3), vf)
-            w = builder.fsub(builder.fmul(_ir_halves(builder, dl, s), q, flags=_FAST_FLAGS),
-                             _ir_halves(builder, ml, s), flags=_FAST_FLAGS)
+            w = builder.fsub(builder.fmul(_ir_halves(builder, dl, s), q, flags=_IR_FLAGS),
+                             _ir_halves(builder, ml, s), flags=_IR_FLAGS)
             _ir_fma_x(builder, acc[k % len(acc)], w, xp, builder.add(x0, c(128 * h + 32 * k)))
 
 
@@ -851,7 +856,7 @@ def _make_block_dot(name, block, doc, unroll=1, lanes=32):
             _ir_blocks(context, builder, args[3], sig.args[3], step, unroll)
             total = _ir_tree_sum(builder, [builder.load(a) for a in acc])
             mins = _ir_tree_sum(builder, [builder.load(a) for a in acc_m])
-            return builder.fadd(_ir_hsum(builder, total), _ir_hsum(builder, mins), flags=_FAST_FLAGS)
+            return builder.fadd(_ir_hsum(builder, total), _ir_hsum(builder, mins), flags=_IR_FLAGS)
 
         return types.float32(row, x, xsum, nb), codegen
 

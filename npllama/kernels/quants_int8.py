@@ -66,7 +66,7 @@ from numba import config as numba_config, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .quants import (_F32T, _FAST_FLAGS, _HW_F16, _I8, _I16, _I32, _Q2_K, _Q3_K, _Q4_0, _Q4_1, _Q4_K, _Q5_0,
+from .quants import (_F32T, _IR_FLAGS, _HW_F16, _I8, _I16, _I32, _Q2_K, _Q3_K, _Q4_0, _Q4_1, _Q4_K, _Q5_0,
                      _Q5_1, _Q5_K, _Q6_K, _Q8_0, _const_vec, _ir_accumulate, _ir_b8, _ir_bit_select, _ir_call, _ir_f16_exact,
                      _ir_f16_fast, _ir_hsum, _ir_i32, _ir_k_quants, _ir_k_scales, _ir_load, _ir_load_f16, _ir_qh_bits, _ir_splat,
                      _ir_vec_zero, _is_c_array, _matvec, _prefetch_ahead, _product_args, _shuffle, _task_rows, _vec)
@@ -284,14 +284,14 @@ def _ir_scales(builder, rp, dp, sp, b, g, kind):
     base = _ir_opaque(builder, builder.gep(rp, [builder.mul(b, ir.Constant(b.type, size))]))
     run = _ir_load(builder, base, ir.Constant(b.type, 0), _vec(_I16, (g - 1) * step + (2 if has_m else 1)), 1)
     dw = _ir_f16_vec(builder, _shuffle(builder, run, run, [i * step for i in range(g)]))
-    scale = builder.fmul(dw, _ir_load(builder, dp, b, _vec(_F32T, g), 4), flags=_FAST_FLAGS)
+    scale = builder.fmul(dw, _ir_load(builder, dp, b, _vec(_F32T, g), 4), flags=_IR_FLAGS)
     if kind == "q5_0":  # sum_j (q_j - 16) x_j = sum_j q_j x_j - 16 s_x: an m_w of -16 d_w
-        m16 = builder.fmul(dw, _const_vec(_F32T, g, -16.0), flags=_FAST_FLAGS)
-        return scale, builder.fmul(m16, _ir_load(builder, sp, b, _vec(_F32T, g), 4), flags=_FAST_FLAGS)
+        m16 = builder.fmul(dw, _const_vec(_F32T, g, -16.0), flags=_IR_FLAGS)
+        return scale, builder.fmul(m16, _ir_load(builder, sp, b, _vec(_F32T, g), 4), flags=_IR_FLAGS)
     if not has_m:
         return scale, None
     mw = _ir_f16_vec(builder, _shuffle(builder, run, run, [i * step + 1 for i in range(g)]))
-    return scale, builder.fmul(mw, _ir_load(builder, sp, b, _vec(_F32T, g), 4), flags=_FAST_FLAGS)
+    return scale, builder.fmul(mw, _ir_load(builder, sp, b, _vec(_F32T, g), 4), flags=_IR_FLAGS)
 
 
 def _make_row_dots(isa: str, group: int = 4, n_acc: int = 2, hadd: bool | None = None):
@@ -340,7 +340,7 @@ def _make_row_dots(isa: str, group: int = 4, n_acc: int = 2, hadd: bool | None =
                     h = _ir_call(builder, "llvm.x86.avx2.phadd.d", v8, [h, h23])  # [b0 b1 b2 b3 | b0 b1 b2 b3]
                     idx = [0, 1, 2, 3, 0, 1, 2, 3]
                 sc = _shuffle(builder, scales, scales, idx)
-                _ir_accumulate(builder, accs[0], builder.fmul(sc, builder.sitofp(h, _vec(_F32T, 8)), flags=_FAST_FLAGS))
+                _ir_accumulate(builder, accs[0], builder.fmul(sc, builder.sitofp(h, _vec(_F32T, 8)), flags=_IR_FLAGS))
 
             def add_group(b0, g):
                 scales, mterms = _ir_scales(builder, rp, dp, sp, b0, g, kind)
@@ -360,7 +360,7 @@ def _make_row_dots(isa: str, group: int = 4, n_acc: int = 2, hadd: bool | None =
                     scale = builder.load(builder.gep(slot_f, [_ir_i32(i)]))
                     dot = _ir_block_dot(builder, rp, qp, builder.add(b0, c(i)), kind, isa)
                     term = builder.fmul(_ir_splat(builder, scale, lanes), builder.sitofp(dot, _vec(_F32T, lanes)),
-                                        flags=_FAST_FLAGS)
+                                        flags=_IR_FLAGS)
                     _ir_accumulate(builder, accs[i % n_acc], term)
 
             shift = c(group.bit_length() - 1)
@@ -371,11 +371,11 @@ def _make_row_dots(isa: str, group: int = 4, n_acc: int = 2, hadd: bool | None =
                     add_group(builder.and_(nb, c(-2 * g)), g)
             acc = builder.load(accs[0])
             for a in accs[1:]:
-                acc = builder.fadd(acc, builder.load(a), flags=_FAST_FLAGS)
+                acc = builder.fadd(acc, builder.load(a), flags=_IR_FLAGS)
             total = _ir_hsum(builder, acc)
             if has_m:
                 for g in sizes:
-                    total = builder.fadd(total, _ir_hsum(builder, builder.load(acc_m[g])), flags=_FAST_FLAGS)
+                    total = builder.fadd(total, _ir_hsum(builder, builder.load(acc_m[g])), flags=_IR_FLAGS)
             return total
 
         return codegen
@@ -515,12 +515,12 @@ def _make_k_dots(isa: str):
                     dots = [_ir_dot_us(builder, q, xq[j], isa)
                             for j, q in enumerate(_ir_k_quants(builder, rp, o, five))]
                     sums = builder.sitofp(_ir_lane_sums(builder, dots, x86), v8f)
-                    dl = builder.fmul(_ir_splat(builder, d, 8), builder.sitofp(sc, v8f), flags=_FAST_FLAGS)
-                    _ir_accumulate(builder, acc, builder.fmul(builder.fmul(dl, dx, flags=_FAST_FLAGS), sums,
-                                                              flags=_FAST_FLAGS))
-                    ml = builder.fmul(_ir_splat(builder, dmin, 8), builder.sitofp(mn, v8f), flags=_FAST_FLAGS)
+                    dl = builder.fmul(_ir_splat(builder, d, 8), builder.sitofp(sc, v8f), flags=_IR_FLAGS)
+                    _ir_accumulate(builder, acc, builder.fmul(builder.fmul(dl, dx, flags=_IR_FLAGS), sums,
+                                                              flags=_IR_FLAGS))
+                    ml = builder.fmul(_ir_splat(builder, dmin, 8), builder.sitofp(mn, v8f), flags=_IR_FLAGS)
                     sx = _ir_load(builder, sp, builder.mul(b, c(8)), v8f, 4)
-                    _ir_accumulate(builder, acc_m, builder.fmul(ml, sx, flags=_FAST_FLAGS))
+                    _ir_accumulate(builder, acc_m, builder.fmul(ml, sx, flags=_IR_FLAGS))
                 else:
                     runs, mins = [], None  # runs: (quants of elements 32r.., signed); scales: <16 x i32>
                     v16 = _vec(_I32, 16)
@@ -570,17 +570,17 @@ def _make_k_dots(isa: str):
                     dots = [scaled_halves(_ir_dot_halves(builder, q, xq[r], signed, isa), sc16, 2 * r)
                             for r, (q, signed) in enumerate(runs)]
                     sums = builder.sitofp(_ir_lane_sums(builder, dots, x86), v8f)
-                    ddx = builder.fmul(_ir_splat(builder, d, 8), dx, flags=_FAST_FLAGS)
-                    _ir_accumulate(builder, acc, builder.fmul(ddx, sums, flags=_FAST_FLAGS))
+                    ddx = builder.fmul(_ir_splat(builder, d, 8), dx, flags=_IR_FLAGS)
+                    _ir_accumulate(builder, acc, builder.fmul(ddx, sums, flags=_IR_FLAGS))
                     if mins is not None:  # sum over the 16-element sub-blocks of min_s * (sum of x's quants)
                         ones = _const_vec(_I8, 32, 1)
                         mdots = [scaled_halves(_ir_dot_halves(builder, ones, xq[r], False, isa), mins, 2 * r)
                                  for r in range(8)]
                         msums = builder.sitofp(_ir_lane_sums(builder, mdots, x86), v8f)
-                        mdx = builder.fmul(_ir_splat(builder, dmin, 8), dx, flags=_FAST_FLAGS)
-                        _ir_accumulate(builder, acc_m, builder.fmul(mdx, msums, flags=_FAST_FLAGS))
+                        mdx = builder.fmul(_ir_splat(builder, dmin, 8), dx, flags=_IR_FLAGS)
+                        _ir_accumulate(builder, acc_m, builder.fmul(mdx, msums, flags=_IR_FLAGS))
             return builder.fsub(_ir_hsum(builder, builder.load(acc)), _ir_hsum(builder, builder.load(acc_m)),
-                                flags=_FAST_FLAGS)
+                                flags=_IR_FLAGS)
 
         return codegen
 
