@@ -30,6 +30,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+from bench_compare import ref_python  # noqa: E402
 
 # Run inside the references' python: argv = gguf path, json file of {"ids": [[...]], "gen": [...]}, threads;
 # print {"seconds": ..., "tokens": [[...]]}, each prompt greedy for its number of tokens in "gen".
@@ -141,11 +142,6 @@ def make_prompts(model, n: int) -> list[str]:
             text = text + " " + CONTEXT * 2
         out.append(model.format_chat([{"role": "user", "content": text}]))
     return out
-
-
-def ref_python() -> str | None:
-    py = os.environ.get("NPLLAMA_REF_PY") or str(Path.home() / ".cache/npllama-refs/venv/bin/python")
-    return py if Path(py).exists() else None
 
 
 def run_llama_cpp(py, script, path, ids, gens, threads):

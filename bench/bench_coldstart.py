@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench_compare import ref_python
+
 ROOT = Path(__file__).resolve().parent.parent
 MESSAGE = "Say hi."
 
@@ -74,11 +76,6 @@ mark()
 print(json.dumps({"wall": [b - a for a, b in zip(t, t[1:])], "cache": [b - a for a, b in zip(marks, marks[1:])]}))
 '''
 STEPS = ["import npllama", "open the model", "tokenizer + chat template", "first token (prefill)", "the other tokens"]
-
-
-def ref_python() -> str | None:
-    py = os.environ.get("NPLLAMA_REF_PY") or str(Path.home() / ".cache/npllama-refs/venv/bin/python")
-    return py if Path(py).exists() else None
 
 
 def main():
