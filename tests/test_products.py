@@ -271,6 +271,7 @@ for qt in (QT[name] for name in sys.argv[2:]):
 if sys.argv[1] == "rows_first":  # the row routines' own libraries, loaded before their callers
     for qt, data, x in cases:
         xsum, row, out = np.ones(x.shape[0] // 32, np.float32), np.empty_like(x), np.empty(37, np.float32)
+        quants._block_sums(x, xsum)
         quants._rows_f32(int(qt), data, 0, 1, x, xsum, row, out)
         if qt in qi.INT8_TYPES:
             qi._rows_i8(int(qt), data, 0, 1, *qi.quantize_x(x), out)
@@ -285,8 +286,8 @@ def test_bits_do_not_depend_on_what_was_loaded_first(tmp_path):
     """A kernel carries its own copy of each routine it calls, and a process runs the first
     copy it loaded. The copies must compute the same bits: the products of a weight (exact
     and int8) are checked in fresh processes on one Numba cache, after compiling, after
-    loading the products alone, and after loading their row routines (quants._rows_f32,
-    quants_int8._rows_i8) on their own first."""
+    loading the products alone, and after loading their routines (quants._block_sums,
+    quants._rows_f32, quants_int8._rows_i8) on their own first."""
     tests = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path),
                PYTHONPATH=os.pathsep.join([os.path.dirname(tests), tests]))
