@@ -162,9 +162,12 @@ def _head(model, x, ops):
     """Logits (rows, n_vocab) of final hidden states x (rows, n_embd), by `ops`' products."""
     h = np.empty_like(x)
     _rmsnorm_rows(x, model.output_norm, np.float32(model.config.rms_eps), h)
-    out = np.empty((len(h), model.output.rows), np.float32)
-    for c0 in range(0, len(h), CHUNK_TOKENS):
-        out[c0:c0 + CHUNK_TOKENS] = ops.product(model.output, h[c0:c0 + CHUNK_TOKENS])
+    if len(h) <= CHUNK_TOKENS:  # a decode pass's rows: the product's own array, not a copy of it
+        out = ops.product(model.output, h)
+    else:
+        out = np.empty((len(h), model.output.rows), np.float32)
+        for c0 in range(0, len(h), CHUNK_TOKENS):
+            out[c0:c0 + CHUNK_TOKENS] = ops.product(model.output, h[c0:c0 + CHUNK_TOKENS])
     return block.softcap(out, model.config.softcap)
 
 
