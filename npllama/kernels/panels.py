@@ -18,11 +18,12 @@ block by block (a K-quant's super-block of 256 is 8 blocks); for each block of 3
             (Q6_K) two such vectors, of bits 4 and 5
     d:      the 16 rows' float16 scales, then (Q4_1, Q5_1) their float16 minimums m; for Q4_K
             and Q5_K the float32 products d sc of the super-block's scale and the block's 6-bit
-            scale, then -dmin m (exact in float32: 11 bits times 6); for Q6_K the float32 d sc
-            of the block's two halves (int8 sc: one per 16 elements), the low's then the high's
+            scale, then -dmin m (exact in float32: 11 bits times 6); for Q6_K the rows' float16
+            super-block scales d, then the int8 scales sc of the block's low half (one per 16
+            elements), then of its high half: the kernels multiply d sc, exact in float32
 
 so a panel block is the size of its 16 GGUF blocks (Q4_1 320 bytes, Q4_0 288, Q5_0 352, Q5_1
-384, Q8_0 544), or 4/3 of it (Q4_K 384), 14/11 (Q5_K 448), 256/210 (Q6_K 512).
+384, Q8_0 544), or 4/3 of it (Q4_K 384), 14/11 (Q5_K 448), 16/15 (Q6_K 448).
 
 The int8 micro-kernel
 ---------------------
@@ -98,8 +99,9 @@ _TT_F32 = ((16, 3), (8, 2), (4, 2), (1, 0))  # float32
 
 # kind: (GGUF block bytes, offset of its quants, 4-byte groups per block, panel block bytes, bias,
 #        has m, bytes of a panel's d and m, high bits: 0, or 1 (the fifth: Q5_0/Q5_1's uint32
-#        before the quants), or 2 (Q6_K), and whether a block's halves have their own d (Q6_K:
-#        the two d of a row take the places of d and m))
+#        before the quants), or 2 (Q6_K), and whether a block's halves have their own scale
+#        (Q6_K: float16 d, then the halves' int8 sc, whose products d sc take the places of d
+#        and m))
 _KINDS = {
     "q4_0": (18, 2, 4, 288, 8, False, 2, 0, False),
     "q4_1": (20, 4, 4, 320, 0, True, 2, 0, False),
@@ -108,7 +110,7 @@ _KINDS = {
     "q8_0": (34, 2, 8, 544, 128, False, 2, 0, False),
     "q4_k": (144, 16, 4, 384, 0, True, 4, 0, False),   # a K-quant's GGUF block is a super-block of 256
     "q5_k": (176, 48, 4, 448, 0, True, 4, 1, False),
-    "q6_k": (210, 0, 4, 512, 32, False, 4, 2, True),
+    "q6_k": (210, 0, 4, 448, 32, False, 2, 2, True),
 }
 _CODES = {_Q4_0: "q4_0", _Q4_1: "q4_1", _Q5_0: "q5_0", _Q5_1: "q5_1", _Q8_0: "q8_0", _Q4_K: "q4_k", _Q5_K: "q5_k",
           _Q6_K: "q6_k"}
@@ -160,8 +162,8 @@ def _pack(src, dst, size, qoff, groups, pbs, has_m, flip, five):
 def _pack_k(src, dst, size, pbs):
     """Panels of the K-quant rows `src` (rows, super-blocks * size: Q4_K 144, Q5_K 176, Q6_K
     210) into `dst`, zeroed: each block of 32 (sub-block) as a Q4_1 (Q4_K) or Q5_1 (Q5_K) panel
-    block with float32 d sc and -dmin m, or (Q6_K) its low nibbles, bits 4 and 5 and the
-    float32 d sc of its two halves."""
+    block with float32 d sc and -dmin m, or (Q6_K) its low nibbles, bits 4 and 5, the
+    float16 d and the int8 sc of its two halves."""
     rows = src.shape[0]
     ns = src.shape[1] // size
     bits = (size - 144) // 32   # high bits: Q4_K 0, Q5_K 1, Q6_K 2
@@ -172,18 +174,19 @@ def _pack_k(src, dst, size, pbs):
             row = src[p * PANEL + r]
             for sb in range(ns):
                 o = sb * size
-                at = o if bits < 2 else o + 208  # d: first in Q4_K and Q5_K (then dmin and the scales), last in Q6_K
-                d = _half_bits_to_f32(np.uint32(row[at]) | (np.uint32(row[at + 1]) << 8))
-                dmin = _half_bits_to_f32(np.uint32(row[o + 2]) | (np.uint32(row[o + 3]) << 8))  # not Q6_K's
+                d = _half_bits_to_f32(np.uint32(row[o]) | (np.uint32(row[o + 1]) << 8))  # not Q6_K's
+                dmin = _half_bits_to_f32(np.uint32(row[o + 2]) | (np.uint32(row[o + 3]) << 8))
                 sc = row[o + 4:o + 16]
                 for j in range(8):
+                    ob = (sb * 8 + j) * pbs
                     if bits < 2:
                         if j < 4:
                             s0, s1 = np.float32(sc[j] & 63), -(dmin * np.float32(sc[j + 4] & 63))
                         else:
                             s0 = np.float32((sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4))
                             s1 = -(dmin * np.float32((sc[j + 4] >> 4) | ((sc[j] >> 6) << 4)))
-                        s0 = d * s0
+                        dm[(ob + 256 + 64 * bits) // 4 + r] = d * s0
+                        dm[(ob + 320 + 64 * bits) // 4 + r] = s1
                         qs = row[o + 16 + 32 * bits + 32 * (j // 2):]  # nibbles: low for even j
                         for i in range(32):
                             el[i] = (qs[i] >> (4 * (j % 2))) & 15
@@ -195,9 +198,10 @@ def _pack_k(src, dst, size, pbs):
                         qh = row[o + 128 + 32 * half:]
                         for i in range(32):
                             el[i] = ((ql[i] >> (4 * (g // 2))) & 15) | (((qh[i] >> (2 * g)) & 3) << 4)
-                        s0 = d * np.float32(np.int8(row[o + 192 + 2 * j]))
-                        s1 = d * np.float32(np.int8(row[o + 193 + 2 * j]))
-                    ob = (sb * 8 + j) * pbs
+                        dst[p, ob + 384 + 2 * r] = row[o + 208]      # d (float16, last in the super-block)
+                        dst[p, ob + 384 + 2 * r + 1] = row[o + 209]
+                        dst[p, ob + 416 + r] = row[o + 192 + 2 * j]  # the int8 sc of the block's halves
+                        dst[p, ob + 432 + r] = row[o + 193 + 2 * j]
                     for i in range(16):
                         dst[p, ob + 64 * (i // 4) + 4 * r + i % 4] = el[i] & 15 | (el[16 + i] & 15) << 4
                     for b in range(bits):  # bit 4 + b of element 4k+i at bit k, of 16+4k+i at bit 4+k
@@ -207,8 +211,6 @@ def _pack_k(src, dst, size, pbs):
                                 v |= ((el[4 * k + i] >> (4 + b)) & 1) << k
                                 v |= ((el[16 + 4 * k + i] >> (4 + b)) & 1) << (4 + k)
                             dst[p, ob + 256 + 64 * b + 4 * r + i] = np.uint8(v)
-                    dm[(ob + 256 + 64 * bits) // 4 + r] = s0
-                    dm[(ob + 320 + 64 * bits) // 4 + r] = s1
 
 
 def panel_shape(qtype, rows: int, cols: int) -> tuple[int, int]:
@@ -222,7 +224,7 @@ def panel_shape(qtype, rows: int, cols: int) -> tuple[int, int]:
 def pack_panels(data, qtype, out=None) -> np.ndarray:
     """The panels (n_panels, blocks of 32 * panel block bytes) uint8 of a weight `data` (rows,
     row bytes) uint8 of a type with panels (`has_panels`): the size of the weight rounded up
-    to 16 rows, or for K-quants 4/3 of it (Q4_K), 14/11 (Q5_K), 256/210 (Q6_K); in `out`
+    to 16 rows, or for K-quants 4/3 of it (Q4_K), 14/11 (Q5_K), 16/15 (Q6_K); in `out`
     (zeroed, of `panel_shape`) where given, else a new array."""
     kind = _CODES.get(int(qtype))
     if kind is None:
@@ -312,11 +314,15 @@ def _make_panel_dots(isa: str):
     `code` (one with panels), xr int8 (4 arrays) or float32 (1 array)."""
     v16i, v16f, v64b = _vec(_I32, 16), _vec(_F32T, 16), _vec(_I8, 64)
 
-    def scales(builder, pp, at, sbytes, two):  # the 16 rows' d, and their m or second d
+    def scales(builder, pp, at, sbytes, two, halves):  # the 16 rows' d, and their m or second d
         def load(at):
             if sbytes == 4:
                 return _ir_load(builder, pp, at, v16f, 4)
             return _ir_f16_vec(builder, _ir_load(builder, pp, at, _vec(_I16, 16), 1))
+        if halves:  # Q6_K: d sc of each half, from d and the halves' int8 sc (a product exact in float32)
+            d = load(at)
+            return [builder.fmul(d, builder.sitofp(_ir_load(builder, pp, builder.add(at, ir.Constant(at.type, o)),
+                                                               _vec(_I8, 16), 1), v16f)) for o in (32, 48)]
         return load(at), (load(builder.add(at, ir.Constant(at.type, 16 * sbytes))) if two else None)
 
     def move_bit(builder, h, frm, to, ty, lanes):  # bit `frm` of each lane of h at bit `to`, the rest 0
@@ -365,7 +371,7 @@ def _make_panel_dots(isa: str):
                     sums = isum[(half if len(parts) == 2 else k) % chains]
                     for t in range(tt):
                         sums[t] = _ir_dpbusd(builder, sums[t], u, x4(t, col), isa)
-            dw, mw = scales(builder, pp, builder.add(ob, c(64 * (groups + bits))), sbytes, has_m or halves)
+            dw, mw = scales(builder, pp, builder.add(ob, c(64 * (groups + bits))), sbytes, has_m, halves)
             for t in range(tt):
                 at = builder.add(brow[t], b)
                 xi = [_ir_load(builder, ip, builder.add(builder.add(at, at), c(j)), _I32, 4) for j in range(2)]
@@ -399,7 +405,7 @@ def _make_panel_dots(isa: str):
             b = loop.index
             ob = builder.mul(b, c(pbs))
             xo = builder.mul(b, c(32))
-            dw, mw = scales(builder, pp, builder.add(ob, c(64 * (groups + bits))), sbytes, has_m or halves)
+            dw, mw = scales(builder, pp, builder.add(ob, c(64 * (groups + bits))), sbytes, has_m, halves)
             hv = [_ir_load(builder, pp, builder.add(ob, c(64 * (groups + j))), v16i, 1) for j in range(bits)]
             a = [builder.load(x) for x in acc]
             for k in range(groups):
