@@ -17,13 +17,13 @@ block by block (a K-quant's super-block of 256 is 8 blocks); for each block of 3
             fifth bit of row r's element 4k+i, bit 4+k that of element 16+4k+i (k = 0..3);
             (Q6_K) two such vectors, of bits 4 and 5
     d:      the 16 rows' float16 scales, then (Q4_1, Q5_1) their float16 minimums m; for Q4_K
-            and Q5_K the float32 products d sc of the super-block's scale and the block's 6-bit
-            scale, then -dmin m (exact in float32: 11 bits times 6); for Q6_K the rows' float16
-            super-block scales d, then the int8 scales sc of the block's low half (one per 16
-            elements), then of its high half: the kernels multiply d sc, exact in float32
+            and Q5_K the rows' float16 super-block d, then dmin, then the block's 6-bit scales
+            sc and mins m a byte each (the kernels take d sc and -dmin m: exact in float32, 11
+            bits times 6); for Q6_K the rows' float16 d, then the int8 scales sc of the block's
+            low half (one per 16 elements), then of its high half (d sc, exact in float32)
 
 so a panel block is the size of its 16 GGUF blocks (Q4_1 320 bytes, Q4_0 288, Q5_0 352, Q5_1
-384, Q8_0 544), or 4/3 of it (Q4_K 384), 14/11 (Q5_K 448), 16/15 (Q6_K 448).
+384, Q8_0 544), or 11/9 of it (Q4_K 352), 13/11 (Q5_K 416), 16/15 (Q6_K 448).
 
 The int8 micro-kernel
 ---------------------
@@ -78,7 +78,6 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .f16 import _half_bits_to_f32
 from .nn import _glu1
 from .quants import (_F32T, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q4_K, _Q5_0, _Q5_1, _Q5_K, _Q6_K, _Q8_0, _const_vec,
                      _ir_call, _ir_load, _ir_splat, _is_c_array, _shuffle, _vec)
@@ -98,19 +97,19 @@ _TT = ((4, 0), (1, 0))                      # int8: (rows, rows it may lack)
 _TT_F32 = ((16, 3), (8, 2), (4, 2), (1, 0))  # float32
 
 # kind: (GGUF block bytes, offset of its quants, 4-byte groups per block, panel block bytes, bias,
-#        has m, bytes of a panel's d and m, high bits: 0, or 1 (the fifth: Q5_0/Q5_1's uint32
-#        before the quants), or 2 (Q6_K), and whether a block's halves have their own scale
-#        (Q6_K: float16 d, then the halves' int8 sc, whose products d sc take the places of d
-#        and m))
+#        has m, the panel's scales ("f16": d, then m where it has them; "k": d, dmin, then sc
+#        and m as bytes; "q6_k": d, then the halves' int8 sc), high bits: 0, or 1 (the fifth:
+#        Q5_0/Q5_1's uint32 before the quants), or 2 (Q6_K), and whether a block's halves have
+#        their own scale (Q6_K: their d sc take the places of d and m))
 _KINDS = {
-    "q4_0": (18, 2, 4, 288, 8, False, 2, 0, False),
-    "q4_1": (20, 4, 4, 320, 0, True, 2, 0, False),
-    "q5_0": (22, 6, 4, 352, 16, False, 2, 1, False),
-    "q5_1": (24, 8, 4, 384, 0, True, 2, 1, False),
-    "q8_0": (34, 2, 8, 544, 128, False, 2, 0, False),
-    "q4_k": (144, 16, 4, 384, 0, True, 4, 0, False),   # a K-quant's GGUF block is a super-block of 256
-    "q5_k": (176, 48, 4, 448, 0, True, 4, 1, False),
-    "q6_k": (210, 0, 4, 448, 32, False, 2, 2, True),
+    "q4_0": (18, 2, 4, 288, 8, False, "f16", 0, False),
+    "q4_1": (20, 4, 4, 320, 0, True, "f16", 0, False),
+    "q5_0": (22, 6, 4, 352, 16, False, "f16", 1, False),
+    "q5_1": (24, 8, 4, 384, 0, True, "f16", 1, False),
+    "q8_0": (34, 2, 8, 544, 128, False, "f16", 0, False),
+    "q4_k": (144, 16, 4, 352, 0, True, "k", 0, False),   # a K-quant's GGUF block is a super-block of 256
+    "q5_k": (176, 48, 4, 416, 0, True, "k", 1, False),
+    "q6_k": (210, 0, 4, 448, 32, False, "q6_k", 2, True),
 }
 _CODES = {_Q4_0: "q4_0", _Q4_1: "q4_1", _Q5_0: "q5_0", _Q5_1: "q5_1", _Q8_0: "q8_0", _Q4_K: "q4_k", _Q5_K: "q5_k",
           _Q6_K: "q6_k"}
@@ -162,31 +161,31 @@ def _pack(src, dst, size, qoff, groups, pbs, has_m, flip, five):
 def _pack_k(src, dst, size, pbs):
     """Panels of the K-quant rows `src` (rows, super-blocks * size: Q4_K 144, Q5_K 176, Q6_K
     210) into `dst`, zeroed: each block of 32 (sub-block) as a Q4_1 (Q4_K) or Q5_1 (Q5_K) panel
-    block with float32 d sc and -dmin m, or (Q6_K) its low nibbles, bits 4 and 5, the
-    float16 d and the int8 sc of its two halves."""
+    block with the float16 d and dmin and the block's 6-bit sc and m as bytes, or (Q6_K) its
+    low nibbles, bits 4 and 5, the float16 d and the int8 sc of its two halves."""
     rows = src.shape[0]
     ns = src.shape[1] // size
     bits = (size - 144) // 32   # high bits: Q4_K 0, Q5_K 1, Q6_K 2
     for p in prange(dst.shape[0]):
         el = np.empty(32, np.uint8)
-        dm = dst[p].view(np.float32)
         for r in range(min(PANEL, rows - p * PANEL)):
             row = src[p * PANEL + r]
             for sb in range(ns):
                 o = sb * size
-                d = _half_bits_to_f32(np.uint32(row[o]) | (np.uint32(row[o + 1]) << 8))  # not Q6_K's
-                dmin = _half_bits_to_f32(np.uint32(row[o + 2]) | (np.uint32(row[o + 3]) << 8))
-                sc = row[o + 4:o + 16]
+                sc = row[o + 4:o + 16]  # Q4_K's and Q5_K's packed 6-bit scales and mins
                 for j in range(8):
                     ob = (sb * 8 + j) * pbs
                     if bits < 2:
                         if j < 4:
-                            s0, s1 = np.float32(sc[j] & 63), -(dmin * np.float32(sc[j + 4] & 63))
+                            s, m = sc[j] & 63, sc[j + 4] & 63
                         else:
-                            s0 = np.float32((sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4))
-                            s1 = -(dmin * np.float32((sc[j + 4] >> 4) | ((sc[j] >> 6) << 4)))
-                        dm[(ob + 256 + 64 * bits) // 4 + r] = d * s0
-                        dm[(ob + 320 + 64 * bits) // 4 + r] = s1
+                            s, m = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4), (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4)
+                        at = ob + 256 + 64 * bits
+                        for i in range(2):
+                            dst[p, at + 2 * r + i] = row[o + i]           # d (float16)
+                            dst[p, at + 32 + 2 * r + i] = row[o + 2 + i]  # dmin
+                        dst[p, at + 64 + r] = s
+                        dst[p, at + 80 + r] = m
                         qs = row[o + 16 + 32 * bits + 32 * (j // 2):]  # nibbles: low for even j
                         for i in range(32):
                             el[i] = (qs[i] >> (4 * (j % 2))) & 15
@@ -224,7 +223,7 @@ def panel_shape(qtype, rows: int, cols: int) -> tuple[int, int]:
 def pack_panels(data, qtype, out=None) -> np.ndarray:
     """The panels (n_panels, blocks of 32 * panel block bytes) uint8 of a weight `data` (rows,
     row bytes) uint8 of a type with panels (`has_panels`): the size of the weight rounded up
-    to 16 rows, or for K-quants 4/3 of it (Q4_K), 14/11 (Q5_K), 16/15 (Q6_K); in `out`
+    to 16 rows, or for K-quants 11/9 of it (Q4_K), 13/11 (Q5_K), 16/15 (Q6_K); in `out`
     (zeroed, of `panel_shape`) where given, else a new array."""
     kind = _CODES.get(int(qtype))
     if kind is None:
@@ -314,16 +313,19 @@ def _make_panel_dots(isa: str):
     `code` (one with panels), xr int8 (4 arrays) or float32 (1 array)."""
     v16i, v16f, v64b = _vec(_I32, 16), _vec(_F32T, 16), _vec(_I8, 64)
 
-    def scales(builder, pp, at, sbytes, two, halves):  # the 16 rows' d, and their m or second d
-        def load(at):
-            if sbytes == 4:
-                return _ir_load(builder, pp, at, v16f, 4)
-            return _ir_f16_vec(builder, _ir_load(builder, pp, at, _vec(_I16, 16), 1))
-        if halves:  # Q6_K: d sc of each half, from d and the halves' int8 sc (a product exact in float32)
-            d = load(at)
-            return [builder.fmul(d, builder.sitofp(_ir_load(builder, pp, builder.add(at, ir.Constant(at.type, o)),
-                                                               _vec(_I8, 16), 1), v16f)) for o in (32, 48)]
-        return load(at), (load(builder.add(at, ir.Constant(at.type, 16 * sbytes))) if two else None)
+    def scales(builder, pp, at, layout, has_m):  # the 16 rows' d, and their m or second d (_KINDS)
+        def f16(o):
+            return _ir_f16_vec(builder, _ir_load(builder, pp, builder.add(at, ir.Constant(at.type, o)),
+                                                 _vec(_I16, 16), 1))
+
+        def byte(o, signed):  # a byte a row as float; its products with a float16 are exact in float32
+            b = _ir_load(builder, pp, builder.add(at, ir.Constant(at.type, o)), _vec(_I8, 16), 1)
+            return builder.sitofp(b, v16f) if signed else builder.uitofp(b, v16f)
+        if layout == "q6_k":  # d sc of each half
+            return builder.fmul(f16(0), byte(32, True)), builder.fmul(f16(0), byte(48, True))
+        if layout == "k":  # d sc and -dmin m
+            return builder.fmul(f16(0), byte(64, False)), builder.fneg(builder.fmul(f16(32), byte(80, False)))
+        return f16(0), (f16(32) if has_m else None)
 
     def move_bit(builder, h, frm, to, ty, lanes):  # bit `frm` of each lane of h at bit `to`, the rest 0
         v = (builder.lshr(h, _const_vec(ty, lanes, frm - to)) if frm > to else
@@ -335,7 +337,7 @@ def _make_panel_dots(isa: str):
         return [builder.select(builder.icmp_signed("<", r, last), r, last) for r in rows]
 
     def tile(builder, kind, arrays, t0, tt, last):  # tmp[t0 + t, :] for t < tt, int8 x
-        _, _, groups, pbs, bias, has_m, sbytes, bits, halves = _KINDS[kind]
+        _, _, groups, pbs, bias, has_m, layout, bits, halves = _KINDS[kind]
         pp, qp, dp, sp, ip, tmp, n = arrays
         nb = builder.sdiv(n, ir.Constant(n.type, 32))
         c = lambda v: ir.Constant(n.type, v)  # noqa: E731
@@ -371,7 +373,7 @@ def _make_panel_dots(isa: str):
                     sums = isum[(half if len(parts) == 2 else k) % chains]
                     for t in range(tt):
                         sums[t] = _ir_dpbusd(builder, sums[t], u, x4(t, col), isa)
-            dw, mw = scales(builder, pp, builder.add(ob, c(64 * (groups + bits))), sbytes, has_m, halves)
+            dw, mw = scales(builder, pp, builder.add(ob, c(64 * (groups + bits))), layout, has_m)
             for t in range(tt):
                 at = builder.add(brow[t], b)
                 xi = [_ir_load(builder, ip, builder.add(builder.add(at, at), c(j)), _I32, 4) for j in range(2)]
@@ -394,7 +396,7 @@ def _make_panel_dots(isa: str):
             builder.store(builder.load(acc[t]), ptr, align=4)
 
     def tile_f32(builder, kind, arrays, t0, tt, last):  # tmp[t0 + t, :] for t < tt, float32 x
-        _, _, groups, pbs, bias, has_m, sbytes, bits, halves = _KINDS[kind]
+        _, _, groups, pbs, bias, has_m, layout, bits, halves = _KINDS[kind]
         pp, xp, tmp, n = arrays
         nb = builder.sdiv(n, ir.Constant(n.type, 32))
         c = lambda v: ir.Constant(n.type, v)  # noqa: E731
@@ -405,7 +407,7 @@ def _make_panel_dots(isa: str):
             b = loop.index
             ob = builder.mul(b, c(pbs))
             xo = builder.mul(b, c(32))
-            dw, mw = scales(builder, pp, builder.add(ob, c(64 * (groups + bits))), sbytes, has_m, halves)
+            dw, mw = scales(builder, pp, builder.add(ob, c(64 * (groups + bits))), layout, has_m)
             hv = [_ir_load(builder, pp, builder.add(ob, c(64 * (groups + j))), v16i, 1) for j in range(bits)]
             a = [builder.load(x) for x in acc]
             for k in range(groups):
