@@ -322,7 +322,8 @@ def _make_panel_dots(isa: str):
             b = _ir_load(builder, pp, builder.add(at, ir.Constant(at.type, o)), _vec(_I8, 16), 1)
             return builder.sitofp(b, v16f) if signed else builder.uitofp(b, v16f)
         if layout == "q6_k":  # d sc of each half
-            return builder.fmul(f16(0), byte(32, True)), builder.fmul(f16(0), byte(48, True))
+            d = f16(0)
+            return builder.fmul(d, byte(32, True)), builder.fmul(d, byte(48, True))
         if layout == "k":  # d sc and -dmin m
             return builder.fmul(f16(0), byte(64, False)), builder.fneg(builder.fmul(f16(32), byte(80, False)))
         return f16(0), (f16(32) if has_m else None)
