@@ -529,13 +529,15 @@ def _attention(ctr, home, nr, li, pos, res, offs, n_items, q, k, v, bq, bk, bv, 
 @njit(cache=True)
 def _fixed_chunks(ctr, home, nr, slot, pos, lo, q, kv, pages, ps, window, scale, part_m, part_l, part_acc, out):
     """int8 mode's attention items (`_attention`): the chunks at multiples of _CHUNK from the
-    one holding key lo, each with every KV head (from as many chunks as threads on: the
-    heads' parts of a record read together) or else with one, folded from a fresh state by
+    one holding key lo, each with every KV head (from twice as many chunks as threads on:
+    the heads' parts of a record read together) or else with one (fewer chunks share out
+    unevenly: at 600 keys one thread folded the whole first chunk while the other waited),
+    folded from a fresh state by
     the batched pass's `_paged_block` as a query block of one row; then merged in order
     (`_merge_chunks`)."""
     KVH, G, D = q.shape
     c0, n_chunks = _chunk_span(lo, pos + 1)
-    per = KVH if n_chunks < nr else 1  # items per chunk
+    per = KVH if n_chunks < 2 * nr else 1  # items per chunk
     NG = KVH // per  # KV heads per item
     kv5 = kv.reshape(kv.shape[0] // ps, ps, KVH, 2, D)
     q1 = q.reshape(1, KVH * G, D)
