@@ -176,6 +176,48 @@ def test_prefetch_past_the_end_is_harmless():
         np.testing.assert_array_equal(data, before)
 
 
+_TOUCH_SCRIPT = r"""
+import ctypes, mmap, sys
+import numpy as np
+from numba import njit
+from npllama.kernels.quants import _touch_lines
+
+@njit
+def touch_tail(a, k):
+    _touch_lines(a[a.shape[0] - k:])
+
+# a page of records followed by a page that may not be read: any byte touched past a view's
+# end faults
+page = mmap.PAGESIZE
+buf = mmap.mmap(-1, 2 * page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.mprotect(ctypes.c_void_p(base + page), ctypes.c_size_t(page), 0) == 0, ctypes.get_errno()
+for dtype, record in ((np.uint16, (3, 2, 64)), (np.float32, (1, 2, 5)), (np.uint16, (1,))):
+    per = int(np.prod(record))
+    n = page // (per * np.dtype(dtype).itemsize)
+    recs = np.frombuffer(buf, dtype, n * per, page - n * per * np.dtype(dtype).itemsize).reshape(n, *record)
+    recs[:] = np.arange(recs.size).reshape(recs.shape).astype(dtype)
+    before = recs.copy()
+    for k in (1, 2, 3, n):
+        touch_tail(recs, k)
+    touch_tail(recs, 0)
+    assert (recs == before).all()
+print("ok")
+"""
+
+
+def test_touch_lines_reads_inside_the_view_only():
+    """_touch_lines (the paged attention's loads of the next block's records) loads a byte of
+    every line of a view and nothing past its end: views of 1, 2, 3 and all records (float16
+    bits and float32, records of 768, 40 and 2 bytes) and an empty one, ending where the next
+    page may not be read (a fresh process: a fault would kill it), change no byte."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-c", _TOUCH_SCRIPT], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=os.path.dirname(tests)))
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-3000:])
+
+
 @njit
 def _prefetch_bytes(data, end):
     for i in range(0, end, 64):

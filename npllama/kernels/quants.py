@@ -26,7 +26,9 @@ Njit level, for fused kernels (C-contiguous arrays and scalars only; they never 
   that dot for one row (the prefill row kernels' few-rows path).
 * ``_matvec(code, data, x, out)``: the same product for all rows, row-parallel.
 * ``_prefetch_ahead(data, r)``: the row loops' software prefetch of the weight bytes a
-  little past row r (``_prefetch(data, i)`` beneath: a hint, valid past the end).
+  little past row r (``_prefetch(data, i)`` beneath: a hint, valid past the end);
+  ``_touch_lines(a)``: a load of every cache line of a contiguous view (paged attention's
+  next block of records).
 
 Dequantization reproduces gguf's float32 arithmetic order exactly (float16 scales are
 widened to float32 first, products are rounded before sums, no fused multiply-add), so
@@ -1021,6 +1023,27 @@ def _prefetch(typingctx, data, i):
         return context.get_dummy_value()
 
     return types.none(data, i), codegen
+
+
+@intrinsic
+def _touch_lines(typingctx, a):
+    """Load one byte of every 64-byte line of the contiguous array ``a`` (any dtype and shape;
+    a view such as a KV record) and drop it: loads that bring the lines into the caches where
+    `_prefetch` hints did not help (atomic ones, which the compiler keeps though unused; on
+    x86 and AArch64 a plain byte load)."""
+    if not (isinstance(a, types.Array) and a.layout == "C"):
+        return None
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        base = builder.bitcast(ary.data, ir.IntType(8).as_pointer())
+        nbytes = builder.mul(ary.nitems, ary.itemsize)
+        zero, line = ir.Constant(nbytes.type, 0), ir.Constant(nbytes.type, 64)
+        with cgutils.for_range_slice(builder, zero, nbytes, line, inc=True) as (at, _):
+            builder.load_atomic(builder.gep(base, [at]), "monotonic", 1)
+        return context.get_dummy_value()
+
+    return types.none(a), codegen
 
 
 _PREFETCH_AHEAD = 2048
