@@ -532,9 +532,8 @@ def _fixed_chunks(ctr, home, nr, slot, pos, lo, q, kv, pages, ps, window, scale,
     one holding key lo, each with every KV head (from twice as many chunks as threads on:
     the heads' parts of a record read together) or else with one (fewer chunks share out
     unevenly: at 600 keys one thread folded the whole first chunk while the other waited),
-    folded from a fresh state by
-    the batched pass's `_paged_block` as a query block of one row; then merged in order
-    (`_merge_chunks`)."""
+    folded from a fresh state by the batched pass's `_paged_block` as a query block of one
+    row; then merged in order (`_merge_chunks`)."""
     KVH, G, D = q.shape
     c0, n_chunks = _chunk_span(lo, pos + 1)
     per = KVH if n_chunks < 2 * nr else 1  # items per chunk
