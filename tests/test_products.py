@@ -177,7 +177,7 @@ def test_prefetch_past_the_end_is_harmless():
 
 
 _TOUCH_SCRIPT = r"""
-import ctypes, mmap, sys
+import ctypes, mmap
 import numpy as np
 from numba import njit
 from npllama.kernels.quants import _touch_lines
