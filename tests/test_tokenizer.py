@@ -423,6 +423,17 @@ def test_llama_cpp_vectors(llama_vocabs, name):
 
 
 @pytest.mark.model
+@pytest.mark.parametrize("name", SUPPORTED_VOCABS)
+def test_longest_token_bytes_bounds_every_token(llama_vocabs, name):
+    """longest_token_bytes, taken from the pieces' UTF-8 lengths without decoding a token, is the
+    most bytes any token of the vocabulary stands for (its decoded bytes, or its piece)."""
+    tok = Tokenizer.from_metadata(gguf_metadata(llama_vocabs / f"ggml-vocab-{name}.gguf"))
+    longest = max(max(len(tok.id_to_bytes(i)), len(tok.token_to_piece(i).encode("utf-8", "surrogatepass")))
+                  for i in range(tok.n_vocab))
+    assert tok.longest_token_bytes == longest
+
+
+@pytest.mark.model
 @pytest.mark.parametrize("name", sorted(REFUSED_VOCABS))
 def test_llama_cpp_vocab_refused(llama_vocabs, name):
     with pytest.raises(GGUFError, match=re.escape(REFUSED_VOCABS[name])):

@@ -33,6 +33,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import compress
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -212,6 +213,8 @@ def _numbers(meta: Mapping[str, Any], key: str, n_vocab: int, kind: type) -> lis
     if len(values) != n_vocab:
         raise _bad(key, f"has {len(values)} entries for {n_vocab} tokens (tokenizer.ggml.tokens); "
                         "there must be one per token")
+    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in ("f" if kind is float else "iu"):
+        return values  # a file's array: its entries are Python numbers of the kind asked for
     for i, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else int):
             raise _bad(key, f"entry #{i} is {type(v).__name__} {v!r}, not {'a number' if kind is float else 'an integer'}")
@@ -220,10 +223,12 @@ def _numbers(meta: Mapping[str, Any], key: str, n_vocab: int, kind: type) -> lis
 
 def _vocab_index(tokens: Sequence[str]) -> dict[str, int]:
     """Piece -> id; GGUFError when a piece is listed twice (llama.cpp refuses such a file too)."""
-    index: dict[str, int] = {}
-    for i, piece in enumerate(tokens):
-        if index.setdefault(piece, i) != i:
-            raise _bad("tokenizer.ggml.tokens", f"token #{i} {piece!r} repeats token #{index[piece]}")
+    index = dict(zip(tokens, range(len(tokens))))
+    if len(index) < len(tokens):  # a piece repeats: name the first repeat
+        first: dict[str, int] = {}
+        for i, piece in enumerate(tokens):
+            if first.setdefault(piece, i) != i:
+                raise _bad("tokenizer.ggml.tokens", f"token #{i} {piece!r} repeats token #{first[piece]}")
     return index
 
 
@@ -233,19 +238,25 @@ def _merge_pairs(merges: Sequence[str], vocab: Mapping[str, int] | None = None) 
 
     A merge is ``"left right"``, split at its first space after the first character (as llama.cpp
     does); both halves and their concatenation must be tokens."""
+    merges = list(merges)  # a file's StringArray decodes on each read
+    if any(map(str.startswith, merges, [" "] * len(merges))):  # rare: split past a leading space
+        pairs = [(m[:c], m[c + 1:]) if c > 0 else (m,) for m in merges for c in (m.find(" ", 1),)]
+    else:
+        pairs = [tuple(m.split(" ", 1)) for m in merges]
     if vocab is None:
-        return [(merge[:cut], merge[cut + 1:]) for merge in merges for cut in (merge.find(" ", 1),)]
-    pairs = []
-    for i, merge in enumerate(merges):
-        cut = merge.find(" ", 1)
-        if cut < 0:
-            raise _bad("tokenizer.ggml.merges", f"merge #{i} {merge!r} has no space between its two parts")
-        left, right = merge[:cut], merge[cut + 1:]
-        for part in (left, right, left + right):
-            if part not in vocab:
-                raise _bad("tokenizer.ggml.merges",
-                           f"merge #{i} {merge!r} names {part!r}, which is not in tokenizer.ggml.tokens")
-        pairs.append((left, right))
+        return pairs
+    ok = min(map(len, pairs), default=2) == 2  # every merge has its space
+    if ok:  # and all parts and concatenations are tokens (checked at once)
+        lefts, rights = [p[0] for p in pairs], [p[1] for p in pairs]
+        ok = vocab.keys() >= set(lefts).union(rights, map(str.__add__, lefts, rights))
+    if not ok:  # name the first bad merge
+        for i, (merge, pair) in enumerate(zip(merges, pairs)):
+            if len(pair) != 2:
+                raise _bad("tokenizer.ggml.merges", f"merge #{i} {merge!r} has no space between its two parts")
+            for part in (pair[0], pair[1], pair[0] + pair[1]):
+                if part not in vocab:
+                    raise _bad("tokenizer.ggml.merges",
+                               f"merge #{i} {merge!r} names {part!r}, which is not in tokenizer.ggml.tokens")
     return pairs
 
 
@@ -354,10 +365,11 @@ def _read_vocabulary(meta: Mapping[str, Any]) -> _Vocabulary:
     scores = _numbers(meta, "tokenizer.ggml.scores", n_vocab, float)
     if types is None:
         types = [TOKEN_NORMAL] * n_vocab
-    for i, t in enumerate(types):
-        if not TOKEN_NORMAL <= t <= TOKEN_BYTE:
-            raise _bad("tokenizer.ggml.token_type", f"token #{i} {tokens[i]!r} has type {t}; "
-                                                    "GGUF token types are 1 (normal) to 6 (byte)")
+    if not TOKEN_NORMAL <= min(types) <= max(types) <= TOKEN_BYTE:  # name the first one out of range
+        for i, t in enumerate(types):
+            if not TOKEN_NORMAL <= t <= TOKEN_BYTE:
+                raise _bad("tokenizer.ggml.token_type", f"token #{i} {tokens[i]!r} has type {t}; "
+                                                        "GGUF token types are 1 (normal) to 6 (byte)")
     bos_id = _meta_id(meta, "tokenizer.ggml.bos_token_id", n_vocab)
     eos_id = _meta_id(meta, "tokenizer.ggml.eos_token_id", n_vocab)
     unk_id = _meta_id(meta, "tokenizer.ggml.unknown_token_id", n_vocab)
@@ -416,12 +428,14 @@ class Tokenizer:
         self._hf = hf
         self._hf_inner: _HFTokenizer | None = None  # without the space prefix: see encode_inner
         self._lock = threading.Lock()
-        self._control = frozenset(i for i, t in enumerate(self._types) if t == TOKEN_CONTROL)
-        self._bytes = [self._piece_bytes(i) for i in range(self.n_vocab)]
+        self._control = frozenset(compress(range(self.n_vocab), map(TOKEN_CONTROL.__eq__, self._types)))
+        self._bytes: list[bytes | None] = [None] * self.n_vocab  # each token's, made at first use (_token_bytes)
         # the most bytes of text one token can stand for (its piece, or its written form for a
-        # control token matched in text): a text of n bytes is at least n / this many tokens
-        self.longest_token_bytes = max(1, max(map(len, self._bytes)),
-                                       max(len(t.encode("utf-8", "surrogatepass")) for t in self._tokens))
+        # control token matched in text): a text of n bytes is at least n / this many tokens. No
+        # token's bytes are longer than its piece's UTF-8 (_piece_bytes maps a byte-level character
+        # to one byte, '▁' (3 bytes) to a space, '<0xNN>' to one byte), so that is the bound.
+        self.longest_token_bytes = max(1, max(map(len, map(operator.methodcaller("encode", "utf-8", "surrogatepass"),
+                                                            self._tokens))))
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> "Tokenizer":
@@ -471,8 +485,14 @@ class Tokenizer:
         hf.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", _SPM_SPACE)])
         return hf
 
+    def _token_bytes(self, tid: int) -> bytes:
+        """The bytes token `tid` stands for in text (made at its first use)."""
+        b = self._bytes[tid]
+        if b is None:
+            b = self._bytes[tid] = self._piece_bytes(tid)
+        return b
+
     def _piece_bytes(self, tid: int) -> bytes:
-        """The bytes token `tid` stands for in text (computed once per token at construction)."""
         piece, kind = self._tokens[tid], self._types[tid]
         if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN):
             return piece.encode("utf-8")
@@ -536,7 +556,7 @@ class Tokenizer:
     def id_to_bytes(self, tid: int) -> bytes:
         """The raw bytes token `tid` contributes to decoded text (a byte token may be part of a
         UTF-8 character; control tokens give their own text)."""
-        return self._bytes[self._check_id(tid)]
+        return self._token_bytes(self._check_id(tid))
 
     def token_to_piece(self, tid: int) -> str:
         """The vocabulary entry of token `tid`, as stored in the file (``Ġthe``, ``▁the``, ``<0x0A>``)."""
@@ -560,7 +580,7 @@ class Tokenizer:
         for pos, tid in enumerate(ids):
             tid = self._check_id(tid, pos)
             if not (skip_special and tid in self._control):
-                parts.append(self._bytes[tid])
+                parts.append(self._token_bytes(tid))
         text = b"".join(parts).decode("utf-8", errors="replace")
         if self.add_space_prefix and text.startswith(" "):
             text = text[1:]
