@@ -60,3 +60,18 @@ def test_run_chat_perplexity_bench(default_model_path, tmp_path):
         figures = json.loads(b.stdout)
         assert figures["prefill_tok_s"] > 0 and figures["decode_tok_s"] > 0
     assert "max_tokens" in one_line_error(npllama("run", "hi", "-n", "-3", env_model=default_model_path), 1)
+
+
+def test_import_npllama_loads_no_engine_and_every_name_resolves():
+    """The package's names are imported at first use: `import npllama` (and the command line's
+    own module) load neither Numba nor the engine; `from npllama import *` gives every name."""
+    code = ("import sys, npllama, npllama.cli\n"
+            "assert 'numba' not in sys.modules and 'npllama.engine' not in sys.modules, sorted(sys.modules)\n"
+            "from npllama import *\n"
+            "from npllama.model import load as model_load\n"
+            "assert npllama.load is model_load and all(getattr(npllama, n) is not None for n in npllama.__all__)\n"
+            "assert set(npllama.__all__) <= set(dir(npllama))\n"
+            "try:\n    npllama.no_such_name\nexcept AttributeError as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "module 'npllama' has no attribute 'no_such_name'"
