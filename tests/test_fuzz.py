@@ -211,3 +211,15 @@ def test_stream_checks_its_arguments_when_called(keywords):
 def test_logprobs_lists_the_requested_number_of_alternatives():
     c = textapi.complete_text(_stub_model(), [5, 6], max_tokens=3, logprobs=2, temperature=0)
     assert c.tokens and all(len(t.top_logprobs) == 2 for t in c.tokens)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("bad, at", [(math.nan, 70_000), (math.inf, 3), (math.nan, 3)])
+def test_sampler_refuses_nan_or_inf_logits(dtype, bad, at):
+    """A NaN or +inf logit anywhere (here after an +inf, or alone) is refused by name, greedy or not."""
+    logits = np.zeros(100_000, dtype)
+    logits[1] = math.inf if math.isnan(bad) else 0.0
+    logits[at] = bad
+    for temperature in (0.0, 0.8):
+        with pytest.raises(ValueError, match=f"contain {'nan' if math.isnan(bad) else 'inf'}"):
+            make_sampler(SamplingParams(temperature=temperature))(logits, [])

@@ -198,13 +198,14 @@ def make_sampler(params: SamplingParams = SamplingParams()) -> Sampler:
             raise ValueError(f"logits must be a non-empty 1-D float array, got {logits.dtype} {logits.shape}")
         for proc in procs:
             logits = proc(logits, history)
-        top = logits.max()
+        best = int(np.argmax(logits))  # the first NaN where there is one
+        top = logits[best]
         if top == -np.inf:
             raise ValueError("every token's logit is -inf (banned by logit_bias): there is nothing to sample")
-        if not np.isfinite(top):  # NaN anywhere makes the max NaN
+        if not np.isfinite(top):
             raise ValueError(f"the logits (after penalties and logit_bias) contain {top}: nothing can be sampled")
         if params.temperature == 0:
-            return int(np.argmax(logits))
+            return best
         ids, vals = filter_candidates(logits, params.top_k, params.top_p, params.min_p)
         # scale the gaps to the best logit, not the logits: a tiny temperature cannot overflow
         with np.errstate(over="ignore"):  # a gap over a tiny temperature is -inf: probability 0
