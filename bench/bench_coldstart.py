@@ -75,7 +75,8 @@ text += "".join(pieces)
 mark()
 print(json.dumps({"wall": [b - a for a, b in zip(t, t[1:])], "cache": [b - a for a, b in zip(marks, marks[1:])]}))
 '''
-STEPS = ["import npllama", "open the model", "tokenizer + chat template", "first token (prefill)", "the other tokens"]
+STEPS = ["import npllama, Numba", "open the model (+ the engine)", "tokenizer + chat template", "first token (prefill)",
+         "the other tokens"]
 
 
 def main():
@@ -116,7 +117,7 @@ def main():
                                        check=True).stdout.splitlines()[-1]) for _ in range(args.rounds)]
     print(f"where npllama's time goes (median of {args.rounds} fresh processes; Numba cache: loading kernels):")
     for i, step in enumerate(STEPS):
-        print(f"  {step:28s} {statistics.median(s['wall'][i] for s in steps):6.3f} s"
+        print(f"  {step:30s} {statistics.median(s['wall'][i] for s in steps):6.3f} s"
               f"   (Numba cache {statistics.median(s['cache'][i] for s in steps):.3f} s)")
 
 
