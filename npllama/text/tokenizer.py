@@ -33,7 +33,6 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import compress
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -428,7 +427,7 @@ class Tokenizer:
         self._hf = hf
         self._hf_inner: _HFTokenizer | None = None  # without the space prefix: see encode_inner
         self._lock = threading.Lock()
-        self._control = frozenset(compress(range(self.n_vocab), map(TOKEN_CONTROL.__eq__, self._types)))
+        self._control = frozenset(np.flatnonzero(np.asarray(self._types) == TOKEN_CONTROL).tolist())
         self._bytes: list[bytes | None] = [None] * self.n_vocab  # each token's, made at first use (_token_bytes)
         # the most bytes of text one token can stand for (its piece, or its written form for a
         # control token matched in text): a text of n bytes is at least n / this many tokens. No
@@ -493,6 +492,7 @@ class Tokenizer:
         return b
 
     def _piece_bytes(self, tid: int) -> bytes:
+        """Token `tid`'s bytes, from its piece and type."""
         piece, kind = self._tokens[tid], self._types[tid]
         if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN):
             return piece.encode("utf-8")
