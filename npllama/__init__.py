@@ -5,6 +5,7 @@
     print(model.chat([{"role": "user", "content": "Hi!"}], max_tokens=64))
 """
 import importlib
+from typing import TYPE_CHECKING
 
 # The public names and the modules that define them. Each module is imported when one of its
 # names is first used (PEP 562), so `import npllama` is cheap and a command imports only what it
@@ -29,6 +30,24 @@ _EXPORTS = {
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)
 __version__ = "0.1.0"
+
+
+if TYPE_CHECKING:  # what type checkers and editors read: the same names, imported at once
+    from .cache.kvcache import KVCache
+    from .cache.kvpool import KVPool, PoolExhaustedError, PoolSeq
+    from .engine.batch import forward_batch
+    from .engine.session import Session
+    from .errors import (BadRowError, ChatTemplateError, ContextOverflowError, DeviceError, GGUFError,
+                         MemoryLimitError, ModelFetchError, PositionError)
+    from .generation.beam import beam_search
+    from .generation.generate import Completion, Token
+    from .generation.sampling import SamplingParams, make_sampler
+    from .generation.scheduler import Scheduler, complete_many, generate_many
+    from .gguf.hub import pull
+    from .gguf.reader import GGUFFile, ModelConfig
+    from .kernels.quants import dequantize, matmul
+    from .model import Model, load
+    from .predictor import BatchPredictor
 
 
 def __getattr__(name: str):

@@ -75,3 +75,16 @@ def test_import_npllama_loads_no_engine_and_every_name_resolves():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "module 'npllama' has no attribute 'no_such_name'"
+
+
+def test_type_checkers_see_the_same_names():
+    """npllama/__init__.py's imports under TYPE_CHECKING (what editors and type checkers read)
+    name exactly the modules and names that it imports at first use."""
+    import ast
+    from pathlib import Path
+
+    import npllama
+    tree = ast.parse(Path(npllama.__file__).read_text(encoding="utf-8"))
+    block = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    seen = {(("." * imp.level) + imp.module, alias.name) for imp in block.body for alias in imp.names}
+    assert seen == {(module, name) for module, names in npllama._EXPORTS.items() for name in names}
