@@ -238,7 +238,7 @@ def _merge_pairs(merges: Sequence[str], vocab: Mapping[str, int] | None = None) 
     A merge is ``"left right"``, split at its first space after the first character (as llama.cpp
     does); both halves and their concatenation must be tokens."""
     merges = list(merges)  # a file's StringArray decodes on each read
-    if any(map(str.startswith, merges, [" "] * len(merges))):  # rare: split past a leading space
+    if any(m.startswith(" ") for m in merges):  # rare: split past a leading space
         pairs = [(m[:c], m[c + 1:]) if c > 0 else (m,) for m in merges for c in (m.find(" ", 1),)]
     else:
         pairs = [tuple(m.split(" ", 1)) for m in merges]
@@ -433,8 +433,7 @@ class Tokenizer:
         # control token matched in text): a text of n bytes is at least n / this many tokens. No
         # token's bytes are longer than its piece's UTF-8 (_piece_bytes maps a byte-level character
         # to one byte, '▁' (3 bytes) to a space, '<0xNN>' to one byte), so that is the bound.
-        self.longest_token_bytes = max(1, max(map(len, map(operator.methodcaller("encode", "utf-8", "surrogatepass"),
-                                                            self._tokens))))
+        self.longest_token_bytes = max(1, max(len(t.encode("utf-8", "surrogatepass")) for t in self._tokens))
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> "Tokenizer":
