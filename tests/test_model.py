@@ -157,6 +157,28 @@ def test_decode_scratch_is_reused_and_needs_no_clearing(tmp_path, activations):
     assert plan._scratch is first and plan._scratch_threads == 2
 
 
+@pytest.mark.parametrize("units, unit_bytes, nr", [
+    (1, 360, 2), (12, 5760, 2), (36, 5760, 2), (576, 360, 2), (1536, 360, 3), (7, 100_000, 4),
+    (16384, 10880, 2),  # Gemma 3's output head in int8 panels: 178 MB
+])
+def test_decode_work_items_split_a_product_evenly(units, unit_bytes, nr):
+    """A product's work items cover its rows once; every range gets the same number of them,
+    so the ranges' shares differ by at most one item; items hold at least _ITEM_BYTES where
+    the weight has that many bytes, and a range has at most _RANGE_ITEMS."""
+    from npllama.engine.decode import _ITEM_BYTES, _RANGE_ITEMS, _item_rows
+    per = _item_rows(np.zeros((units, unit_bytes), np.uint8), nr)
+    n_items = -(-units // per)
+    sizes = [min(units, (i + 1) * per) - i * per for i in range(n_items)]
+    shares = [sum(sizes[r * n_items // nr:(r + 1) * n_items // nr]) for r in range(nr)]  # workshare's ranges
+    assert sum(sizes) == units and min(sizes) > 0
+    assert max(shares) - min(shares) <= per
+    assert n_items <= nr * _RANGE_ITEMS
+    if units * unit_bytes >= nr * _ITEM_BYTES:
+        assert per * unit_bytes >= _ITEM_BYTES
+    else:
+        assert n_items <= nr
+
+
 def test_sessions_decode_from_several_threads(tmp_path):
     """Sessions of one model decoding at once from several Python threads (their steps share
     the plan's working memory, and the parallel region runs without the GIL) get the logits
