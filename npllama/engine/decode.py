@@ -222,9 +222,10 @@ _RANGE_ITEMS = 256
 
 @njit(cache=True)
 def _item_rows(w, nr):
-    """Rows (or panels) of weight ``w`` per work item, for ``nr`` ranges: every range gets the
-    same number of items, of about equal size, at least _ITEM_BYTES each where the weight has
-    that many bytes (else one item a range) and at most _RANGE_ITEMS of them."""
+    """Rows (or panels) of weight ``w`` per work item, for ``nr`` ranges: items of about equal
+    size, at least _ITEM_BYTES each where the weight has that many bytes (else about one item
+    a range), at most _RANGE_ITEMS a range, so that the ranges' item counts differ by at most
+    one."""
     units, unit_bytes = w.shape
     items = min(_RANGE_ITEMS, max(1, units * unit_bytes // (nr * _ITEM_BYTES)))  # per range
     return max(1, -(-units // (nr * items)))
