@@ -7,8 +7,9 @@ from inside compiled code as the fused decode step calls them (no Python dispatc
 The int8 columns include quantizing x, once per `share` products as the decode step does
 (q/k/v share the normed input, gate/up too; o, down and the output head have their own x).
 The "panels" columns: the int8 product on the weight's panels (kernels/panels.py), which the
-decode step reads in int8 mode for every type that has them (`panels.has_panels`). Reported:
-median over passes of the mean time per product.
+decode step reads in int8 mode for every type that has them (`panels.has_panels`); the "int24"
+columns: the same with int24 activations, the exact mode's decode products (f32: its products
+before). Reported: median over passes of the mean time per product.
 
 Usage: python bench/bench_int8.py [--threads N] [--min-mb MB] [--repeats R]
 """
@@ -58,7 +59,7 @@ def _pass_i8(code, ws, x, qs, d, s, out, share):
 def _pass_panels(code, pws, rows, x, xr, out, share):
     for i in range(pws.shape[0]):
         if i % share == 0:
-            panels._quantize_rows(x, xr[0], xr[1], xr[2], xr[3])
+            panels._quantize_into(x, xr)
         panels._matmul_panels(code, pws[i], rows, xr, out)
 
 
@@ -69,7 +70,8 @@ def _pass_quantize(x, qs, d, s, k):
 
 
 def bench_shape(qtype: QT, rows: int, cols: int, share: int, min_mb: int, repeats: int):
-    """(weight MB, f32 µs, int8 µs, int8 on the panels µs, quantize µs) per product."""
+    """(weight MB, f32 µs, int8 µs, int8 on the panels µs, int24 on the panels µs, quantize µs)
+    per product."""
     rng = np.random.default_rng(0)
     w = quantize(rng.normal(0.0, 0.02, (rows, cols)).astype(np.float32), qtype)
     copies = max(2, math.ceil(min_mb * (1 << 20) / w.nbytes))
@@ -86,8 +88,9 @@ def bench_shape(qtype: QT, rows: int, cols: int, share: int, min_mb: int, repeat
             "i8": lambda: _pass_i8(code, ws, x, qs, d, s, out, share)}
     pws = np.stack([panels.pack_panels(w, qtype)] * copies)
     x2, out2 = x.reshape(1, cols), out.reshape(1, rows)
-    xr = panels.quantize_rows(x2)
+    xr, xr24 = panels.quantize_rows(x2), panels.quantize_rows_i24(x2)
     runs["panels"] = lambda: _pass_panels(code, pws, rows, x2, xr, out2, share)
+    runs["int24"] = lambda: _pass_panels(code, pws, rows, x2, xr24, out2, share)
     times = {k: [] for k in runs}
     for fn in runs.values():
         fn()
@@ -102,7 +105,7 @@ def bench_shape(qtype: QT, rows: int, cols: int, share: int, min_mb: int, repeat
     _pass_quantize(x, qs, d, s, k)
     t_q = (time.perf_counter() - t) / k
     t_us = {k: float(np.median(v)) * 1e6 for k, v in times.items()}
-    return w.nbytes / 1e6, t_us["f32"], t_us["i8"], t_us["panels"], t_q * 1e6
+    return w.nbytes / 1e6, t_us["f32"], t_us["i8"], t_us["panels"], t_us["int24"], t_q * 1e6
 
 
 def main() -> None:
@@ -112,11 +115,12 @@ def main() -> None:
           f"read bandwidth (parallel sum, 512 MB float32): {bw:.1f} GB/s\n")
     print(f"{'matrix':<24}{'type':<6}{'MB':>6}{'share':>6}{'f32 us':>9}{'GB/s':>7}"
           f"{'int8 us':>9}{'GB/s':>7}{'of bw':>7}{'int8/f32':>9}{'panels us':>10}{'GB/s':>7}{'of bw':>7}"
-          f"{'quant x us':>11}")
+          f"{'int24 us':>9}{'GB/s':>7}{'of bw':>7}{'quant x us':>11}")
     for what, qtype, rows, cols, share in SHAPES:
-        mb, t32, t8, tp, tq = bench_shape(qtype, rows, cols, share, args.min_mb, args.repeats)
+        mb, t32, t8, tp, t24, tq = bench_shape(qtype, rows, cols, share, args.min_mb, args.repeats)
         g32, g8 = mb * 1e3 / t32, mb * 1e3 / t8
-        packed = f"{tp:>10.1f}{mb * 1e3 / tp:>7.1f}{mb * 1e3 / tp / bw:>7.0%}"
+        packed = (f"{tp:>10.1f}{mb * 1e3 / tp:>7.1f}{mb * 1e3 / tp / bw:>7.0%}"
+                  f"{t24:>9.1f}{mb * 1e3 / t24:>7.1f}{mb * 1e3 / t24 / bw:>7.0%}")
         print(f"{what:<24}{qtype.name:<6}{mb:>6.2f}{share:>6}{t32:>9.1f}{g32:>7.1f}"
               f"{t8:>9.1f}{g8:>7.1f}{g8 / bw:>7.0%}{g8 / g32:>9.2f}{packed}{tq:>11.2f}")
 

@@ -9,10 +9,12 @@ Measures, in one run:
 With --kquants, instead: the products of the K-quant mixes' types and shapes (SmolLM2-135M and
 Gemma 3 270M as llama.cpp's Q4_K_M/Q5_K_M make them: Q5_0/Q5_1 where rows are not whole
 256-element super-blocks, Q4_K/Q5_K/Q6_K where they are) by the direct block dots
-(quants._matvec), by dequantizing each row into a float32 scratch and dotting it (the decode
-step's path for these types before the direct dots; kept here as the reference) and by the
-int8-activation dots (quants_int8._matvec_i8, x quantized once outside the timing), each pass
-cycling over the copies from inside compiled code, interleaved; median of the passes.
+(quants._matvec: float32 activations, the exact mode's decode products before its int24
+panels), by dequantizing each row into a float32 scratch and dotting it (the decode step's path
+for these types before the direct dots; kept here as the reference), by the int8-activation
+dots (quants_int8._matvec_i8) and by the panel products with int24 activations (the exact mode's
+decode products: kernels/panels.py, one activation row), x quantized once outside the timing,
+each pass cycling over the copies from inside compiled code, interleaved; median of the passes.
 
 Usage: python bench/bench_kernels.py [--threads N] [--min-mb MB] [--repeats R] [--kquants]
 """
@@ -30,7 +32,7 @@ from gguf.quants import quantize
 from numba import njit, prange
 
 from npllama.kernels import quants
-from npllama.kernels import quants_int8
+from npllama.kernels import panels, quants_int8
 
 SHAPES = [  # (what, type, rows = out features, cols = in features)
     ("attn q/o, 576x576", QT.Q4_1, 576, 576),
@@ -158,6 +160,12 @@ def _pass(kind, code, ws, x, qs, d, s, out):
             quants_int8._matvec_i8(code, ws[i], x, qs, d, s, out)
 
 
+@njit
+def _pass_panels(code, pws, rows, xr, out):
+    for i in range(pws.shape[0]):
+        panels._matmul_panels(code, pws[i], rows, xr, out)
+
+
 def random_weight(qtype: QT, rows: int, cols: int, rng) -> np.ndarray:
     """Random block bytes with small float16 scales (gguf cannot quantize to K-quants)."""
     from gguf.constants import GGML_QUANT_SIZES
@@ -173,7 +181,7 @@ def random_weight(qtype: QT, rows: int, cols: int, rng) -> np.ndarray:
 def bench_kquants(args, bw: float) -> None:
     print("times: best pass; speedup: median over passes of deq+dot / direct in the same pass, and its range")
     print(f"{'matrix':<26}{'type':<6}{'MB':>6}{'direct us':>10}{'GB/s':>6}{'deq+dot us':>11}{'GB/s':>6}"
-          f"{'speedup':>8}{'int8 us':>9}{'GB/s':>6}{'of bw':>6}{'range':>11}")
+          f"{'speedup':>8}{'int8 us':>9}{'GB/s':>6}{'of bw':>6}{'range':>11}{'int24 us':>10}{'GB/s':>6}{'of bw':>6}")
     rng = np.random.default_rng(0)
     for what, qtype, rows, cols in KQUANT_SHAPES:
         w = random_weight(qtype, rows, cols, rng)
@@ -183,20 +191,30 @@ def bench_kquants(args, bw: float) -> None:
         x = rng.normal(0.0, 1.0, cols).astype(np.float32)
         qs, d, s = quants_int8.quantize_x(x)
         out = np.empty(rows, np.float32)
-        times = {k: [] for k in range(3)}
+        kinds = range(4 if panels.has_panels(qtype) else 3)  # Q3_K and Q2_K have no panels
+        pws = np.stack([panels.pack_panels(w, qtype)] * copies) if len(kinds) == 4 else None
+        xr = panels.quantize_rows_i24(x.reshape(1, cols))
+
+        def run(k):
+            if k < 3:
+                _pass(k, int(qtype), ws, x, qs, d, s, out)
+            else:
+                _pass_panels(int(qtype), pws, rows, xr, out.reshape(1, rows))
+        times = {k: [] for k in kinds}
         for k in times:
-            _pass(k, int(qtype), ws, x, qs, d, s, out)
+            run(k)
         for _ in range(args.repeats):  # interleaved, so drifting load hits all alike
             for k in times:
                 t = time.perf_counter()
-                _pass(k, int(qtype), ws, x, qs, d, s, out)
+                run(k)
                 times[k].append((time.perf_counter() - t) / copies)
-        us = [float(np.min(times[k])) * 1e6 for k in range(3)]
+        us = [float(np.min(times[k])) * 1e6 for k in kinds]
         gbs = [w.nbytes / 1e3 / u for u in us]
         ratio = np.array(times[1]) / np.array(times[0])  # per pass: the same load for both
         print(f"{what:<26}{qtype.name:<6}{w.nbytes / 1e6:>6.2f}{us[0]:>10.1f}{gbs[0]:>6.1f}{us[1]:>11.1f}{gbs[1]:>6.1f}"
               f"{np.median(ratio):>8.2f}{us[2]:>9.1f}{gbs[2]:>6.1f}{gbs[2] / bw:>6.0%}"
-              f"{ratio.min():>7.2f}-{ratio.max():.2f}")
+              f"{ratio.min():>7.2f}-{ratio.max():.2f}"
+              + (f"{us[3]:>10.1f}{gbs[3]:>6.1f}{gbs[3] / bw:>6.0%}" if len(us) == 4 else f"{'-':>10}"))
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", help="path to a .gguf (default: $NPLLAMA_MODEL, else SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("-t", "--threads", type=int, help="threads (default: physical cores)")
     p.add_argument("--activations", choices=["f32", "int8"], default="f32",
-                   help="decode activations: f32 (exact, default) or int8 (faster, as llama.cpp)")
+                   help="the products' activations: f32 (exact, default) or int8 (faster, as llama.cpp)")
     p.add_argument("--kv-dtype", choices=["float32", "float16"],
                    help="KV cache storage (default: float16 with --activations int8, else float32)")
 

@@ -36,10 +36,11 @@ def load(path: str | os.PathLike | None = None, *, threads: int | None = None, a
          kv_dtype=None, device: str = "cpu") -> Model:
     """Load a GGUF model: `path`, else $NPLLAMA_MODEL, else the default model (fetched once).
 
-    `activations="int8"` quantizes decode activations to int8 blocks for integer dot products
-    (faster, as llama.cpp does, and no longer exact); the default "f32" keeps them float32 and
-    dequantizes the weights exactly inside the products. Prefill's products are exact in
-    both modes. `kv_dtype` is the KV cache's storage, float32 or float16 (half the memory and
+    `activations="int8"` quantizes the products' activations to int8 blocks (llama.cpp's
+    arithmetic: faster, and no longer exact). The default, "f32", is the exact mode: the
+    weights are dequantized exactly and the activations keep float32's precision (integers of
+    24 bits per block of 32, kernels/panels.py), so the products agree with a float64 dot as
+    a float32 dot does. `kv_dtype` is the KV cache's storage, float32 or float16 (half the memory and
     half the bytes attention reads, keys and values rounded to float16); by default float16
     with int8 activations, as llama.cpp, and float32 otherwise.
 

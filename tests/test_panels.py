@@ -1,6 +1,7 @@
 """npllama.kernels.panels: products of many rows on weight panels, against gguf's
-dequantization and a float64 dot with the activations (int8: their dequantized int8 blocks),
-for every instruction set the int8 micro-kernel can be compiled for on this machine."""
+dequantization and a float64 dot with the activations (int8: their dequantized int8 blocks;
+int24: the activations themselves, which they keep to float32's rounding), for every
+instruction set the micro-kernel can be compiled for on this machine."""
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -13,12 +14,12 @@ from npllama.kernels.nn import ACTS
 from test_quants_int8 import full_range_weight, ref_quantize, runnable_isas
 
 TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
-MODES = [True, False]  # int8 activations, float32 ones
+MODES = [True, False]  # int8 activations, int24 ones (the exact mode)
 _KERNELS = {}
 
 
 def mode_id(int8):
-    return "int8" if int8 else "f32"
+    return "int8" if int8 else "int24"
 
 
 def cols(qtype, blocks):
@@ -46,8 +47,8 @@ def panel_kernel(isa):
 
 
 def reference(data, qtype, rows, x, int8):
-    """float64 x' @ W.T: W from gguf's dequantization, x' = x or (int8) the dequantized int8
-    blocks of x; and |x'| @ |W|.T, the scale of the rounding."""
+    """float64 x' @ W.T: W from gguf's dequantization, x' = x (int24's reference: x itself)
+    or (int8) the dequantized int8 blocks of x; and |x'| @ |W|.T, the scale of the rounding."""
     w = gguf.quants.dequantize(data, qtype).reshape(rows, -1).astype(np.float64)
     if int8:
         x = np.stack([np.asarray(ref_quantize(r)[0], np.float64) * np.repeat(ref_quantize(r)[1], 32) for r in x])
@@ -61,10 +62,11 @@ def assert_close(out, data, qtype, rows, x, int8):
     np.testing.assert_array_less(np.abs(out - ref), 2e-6 * mag + 1e-30)
 
 
-@pytest.mark.parametrize("isa, int8", [(isa, True) for isa in runnable_isas()] + [(runnable_isas()[-1], False)])
+@pytest.mark.parametrize("int8", MODES, ids=mode_id)
+@pytest.mark.parametrize("isa", runnable_isas())
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_products_every_isa(isa, qtype, int8):
-    """int8 activations with each instruction set; float32 ones (the same IR for all) once."""
+    """int8 and int24 activations with each instruction set, a block of outliers (x100) in row 0."""
     rng = np.random.default_rng(int(qtype))
     for rows, blocks, T in ((1, 1, 1), (16, 1, 4), (17, 2, 5), (37, 3, 9), (5, 18, 3), (33, 7, 13), (20, 2, 29)):
         data = full_range_weight(qtype, rows, blocks, rng)
@@ -93,13 +95,13 @@ def test_matmul_panels(qtype, int8):
 @pytest.mark.parametrize("int8", MODES, ids=mode_id)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_rows_do_not_depend_on_their_neighbours(qtype, int8):
-    """A row's products are the same bits alone, anywhere in a tile of any size, in a tail, or
-    in a tile whose missing rows repeat the last one (every count of rows up to 21)."""
+    """A row's products are the same bits alone, anywhere in a tile, or in a tail (every count
+    of rows up to 21)."""
     rng = np.random.default_rng(5)
     rows, blocks = 24, 4
     data = full_range_weight(qtype, rows, blocks, rng)
     pw = P.pack_panels(data, qtype)
-    x = rng.normal(size=(21, cols(qtype, blocks))).astype(np.float32)  # float32 tiles: 16, then 8 (2 repeated)
+    x = rng.normal(size=(21, cols(qtype, blocks))).astype(np.float32)  # tiles of 4, then a row
     together = P.matmul_panels(pw, qtype, rows, x, int8=int8)
     for t in range(len(x)):
         np.testing.assert_array_equal(P.matmul_panels(pw, qtype, rows, x[t:t + 1], int8=int8)[0], together[t])
@@ -122,10 +124,40 @@ def test_quantize_rows_as_the_decode_step():
         np.testing.assert_array_equal(xi[t], qs.reshape(-1, 16).astype(np.int64).sum(1))  # half blocks
 
 
+def test_quantize_rows_i24_against_numpy():
+    """Digits in -128..127 that make q = rint(x / d), d = max|x| / (126 * 65536) per block (x
+    within 2^-22 of its block's largest |x|), the planes' half-block sums and d sum q; a zero
+    block, a block so small that 1 / d overflows, an inf and a NaN as the int8 quantizer."""
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(4, 160)).astype(np.float32)
+    x[0, 3] = 3e5
+    x[1, :32] = 0.0
+    x[1, 32:64] = 1e-44  # 1 / d overflows
+    x[2, 70] = np.inf
+    x[3, 100] = np.nan
+    xq, xd, xs, xi = P.quantize_rows_i24(x)
+    assert xq.shape == (4, 3, 160) and xd.shape == xs.shape == (4, 5) and xi.shape == (4, 3, 10)
+    blocks = x.reshape(4, 5, 32).astype(np.float64)
+    amax = np.abs(blocks).max(-1)
+    d = (amax / (126 * 65536)).astype(np.float32)
+    np.testing.assert_array_equal(xd, d)
+    q = xq.astype(np.int64)
+    big = (q[:, 0] * 65536 + q[:, 1] * 256 + q[:, 2]).reshape(4, 5, 32)
+    fine = np.isfinite(amax) & (amax > 1e-30)
+    with np.errstate(divide="ignore", invalid="ignore"):  # float32 products, as the kernel's
+        want = np.rint(x.reshape(4, 5, 32) * (np.float32(1) / d[..., None]))
+    np.testing.assert_array_equal(big[fine], want[fine].astype(np.int64))
+    assert (np.abs(big[fine] * d[fine][:, None] - blocks[fine]) <= 2 ** -22 * amax[fine][:, None]).all()
+    assert (big[~fine] == 0).all()
+    np.testing.assert_array_equal(xi, q.reshape(4, 3, 10, 16).sum(-1))
+    np.testing.assert_allclose(xs[fine], d[fine] * big.sum(-1)[fine], rtol=1e-6)
+    assert xs[1, 0] == 0 and xs[1, 1] == 0 and np.isnan(xs[2, 2]) and np.isnan(xs[3, 3])
+
+
 @pytest.mark.parametrize("int8", MODES, ids=mode_id)
 @pytest.mark.parametrize("row", [2, 4])
 def test_a_nan_row_stays_in_its_row(int8, row):
-    """Row 4 is the last of 5, repeated in the tile's missing rows."""
+    """Row 2 is in a tile of 4, row 4 the tail's."""
     rng = np.random.default_rng(2)
     data = full_range_weight(QT.Q4_1, 20, 2, rng)
     x = rng.normal(size=(5, 64)).astype(np.float32)

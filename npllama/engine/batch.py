@@ -13,8 +13,8 @@ keys through its page table. There is no padding, so no mask: a token of sequenc
 position p sees exactly positions 0..p of sequence b. (`batch_mask` shows the padded
 alternative, for callers of `attention.attend`.)
 
-Products: the packed activations go through the panel kernels (engine/ops.py: PanelOps, in
-float32 or with int8 activations; RowOps for weights without panels), which read every
+Products: the packed activations go through the panel kernels (engine/ops.py: PanelOps, with
+int24 or int8 activations; RowOps for weights without panels), which read every
 weight once per pass (q/k/v share one parallel region, gate/up and the GLU another; the
 per-token norms and RoPE run serially). Passes run in chunks of CHUNK_TOKENS packed tokens (a later chunk attends to keys an earlier one wrote),
 which keeps the activations in cache. Weights whose sizes are not whole 32-element blocks
@@ -121,7 +121,7 @@ def forward_batch(model, pool: KVPool, seqs: Sequence[PoolSeq], token_lists, *, 
 
 
 def _ops(model, attention, rows_kernels):
-    """The pass's pieces: PanelOps (int8 or float32 activations, as the model's mode); with
+    """The pass's pieces: PanelOps (int24 or int8 activations, as the model's mode); with
     weights whose sizes are not whole blocks, every product through the tiled-dequant + BLAS
     path."""
     if not rows_kernels:
@@ -130,12 +130,13 @@ def _ops(model, attention, rows_kernels):
 
 
 def steps_match(model) -> bool:
-    """Whether a packed pass gives each token the bits of a session's fused decode step: in
-    the exact mode (the same products up to float rounding, which greedy results never showed
-    apart), and in int8 mode when every product weight has panels (kernels/panels.py: the
-    step and the pass then run the same kernels; with a weight without them the step's int8
-    row dots and the pass's float32 rows differ in the last bits, which a token's
-    quantization can carry into any bit)."""
+    """Whether a packed pass gives each token the results of a session's fused decode step.
+    Where every product weight has panels (kernels/panels.py) the two run the same product
+    kernels; in int8 mode their attention too, so the bits are the same, and in the exact
+    mode its attention groups the keys differently (float rounding, which greedy results
+    never showed apart). The exact mode's row dots of other weights also differ from the
+    pass's only by rounding; int8 mode's differ in the last bits, which a token's
+    quantization can carry into any bit."""
     return model.activations == "f32" or all(model.panels(w) is not None for w in model.product_weights())
 
 

@@ -10,9 +10,9 @@ work itself and takes its share of each product and of attention as work items f
 counters (npllama.workshare).
 
 The weights are addressed as (type, byte offset, rows, row bytes, buffer) entries into the
-model file's memory map or, in int8 mode, into the model's panels (kernels/panels.py, the
-layout the prefill and the batched pass read too, so a product gives the same bits in all
-three) for the types that have them (`DecodePlan.table`, `DecodePlan.panels`), rather than
+model's panels (kernels/panels.py, the layout the prefill and the batched pass read too, so a
+product gives the same bits in all three), for the types that have them, or else into the
+model file's memory map (`DecodePlan.table`, `DecodePlan.panels`), rather than
 as tuples of arrays: a tuple indexed by layer inside compiled code becomes a branch per
 layer at every use, which made compiling a 30-layer step take minutes. The new key and
 value rows are written straight into the KV cache's array; the caller commits them
@@ -26,12 +26,13 @@ import threading
 
 import numpy as np
 from numba import njit, prange
+from numba.extending import overload
 
 from ..kernels.attention import _BLOCK, _CHUNK, _chunk_span, _decode_chunk, _merge_chunks
 from ..kernels.paged_attention import _paged_block
 from ..kernels.f16 import _st, bits
 from ..kernels.nn import ACTS, _glu1, _glu_row, _rmsnorm_row, _rope_row
-from ..kernels.panels import PANEL, _panel_dots, _quantize_rows
+from ..kernels.panels import PANEL, _panel_dots, _quantize_into
 from ..kernels.quants import _block_sums, _deq_row, _rows_f32
 from ..kernels.quants_int8 import _has_i8, _rows_i8
 from ..kernels.workshare import _finish, _take, _wait, phase_size
@@ -63,7 +64,10 @@ class DecodePlan:
     """A model's weights arranged for `_decode_step` (built once per model)."""
 
     def __init__(self, model, *, int8: bool = False):
-        self.int8 = int8  # quantize activations to int8 blocks for the integer-dot kernels
+        # the products' activations: int8 blocks (int8 mode), else int24 ones (the exact
+        # mode: three planes of int8 digits), for the panels' integer dots
+        self.int8 = int8
+        self.planes = 1 if int8 else 3
         layers = model.layers
         cfg = model.config
 
@@ -75,12 +79,12 @@ class DecodePlan:
 
         q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
         self.buffer = model.file.buffer
-        # in int8 mode the products of weights with panels read the panels (model.panel_arena),
-        # as the prefill and the batched pass do
-        self.panels = model.panel_arena if int8 else np.empty(0, np.uint8)
+        # the products of weights with panels read the panels (model.panel_arena), as the
+        # prefill and the batched pass do
+        self.panels = model.panel_arena
 
         def entry(w, *pair):  # the panels where w (and the weight it pairs with) have them
-            if int8 and all(model.panels(v) is not None for v in (w, *pair)):
+            if all(model.panels(v) is not None for v in (w, *pair)):
                 return _entry(self.panels, model.panels(w), w, True)
             return _entry(self.buffer, w.data, w)
 
@@ -190,7 +194,7 @@ class DecodePlan:
             threads = max(threads, self._scratch_threads)
             chunks = max(_CHUNKS_PER_THREAD * threads, n_chunks, 2 * self._scratch_chunks)
             n_ff = int(self.table[0, 4, 2])  # the gate product's rows
-            n_f32, n_i8 = _private_sizes(cfg.n_embd, cfg.n_head * D, n_ff, KVH, G, D)
+            n_f32, n_i8 = _private_sizes(cfg.n_embd, cfg.n_head * D, n_ff, KVH, G, D, self.planes)
             self._scratch = (
                 np.empty((cfg.n_layer, int(self.offs[-1])), np.float32),              # res
                 np.empty(cfg.n_layer * chunks * KVH * G, np.float32),                 # part_m
@@ -198,7 +202,8 @@ class DecodePlan:
                 np.empty(cfg.n_layer * chunks * KVH * G * D, np.float32),             # part_acc
                 np.empty(_slot(cfg.n_layer + 1, 0, threads), np.int64),               # ctr
                 np.empty((threads, n_f32), np.float32),
-                np.empty((threads, n_i8), np.int8) if self.int8 else None,
+                # the int8 arena: flat for int8 activations, (3, L) for int24 ones (`_form`)
+                np.empty((threads, n_i8) if self.int8 else (threads, 3, -(-n_i8 // 3)), np.int8),
                 np.empty((threads, _STEPS), np.int64),
             )
             self._scratch_threads = threads
@@ -233,39 +238,46 @@ def _item_rows(w, nr):
 
 @njit(cache=True)
 def _prepare(x, xsum, xq):
-    """The forms of an activation x that the products read: its int8 blocks xq = (values,
-    scales, sums, integer sums; as panels.quantize_rows) in int8 mode, else (xq None) its
-    block sums xsum."""
-    if xq is None:
-        _block_sums(x, xsum)
+    """The forms of an activation x that the products read: its quantized blocks xq (int8 or
+    int24, `_form`), and its block sums xsum (for the float32 dots of weights without panels)."""
+    _block_sums(x, xsum)
+    _quantize_into(x.reshape(1, x.shape[0]), xq)
+
+
+def _gguf_rows(code, w, r0, r1, x, xsum, xq, row, out):
+    """out[r] = dot(row r of the GGUF weight w, x) for r in r0..r1-1: by the int8 row dots
+    (quants_int8) where x's form xq is int8 and the type has them, else by the float32 ones
+    (quants; row: float32 scratch as long as x, for types they dequantize first)."""
+    if xq[0].ndim == 2 and _has_i8(code):
+        _rows_i8(code, w, r0, r1, xq[0][0], xq[1][0], xq[2][0], out)
     else:
-        qx, dx, sx, xi = xq
-        n, nb = x.shape[0], x.shape[0] // 32
-        _quantize_rows(x.reshape(1, n), qx.reshape(1, n), dx.reshape(1, nb), sx.reshape(1, nb), xi.reshape(1, 2 * nb))
+        _rows_f32(code, w, r0, r1, x, xsum, row, out)
+
+
+@overload(_gguf_rows)
+def _gguf_rows_jit(code, w, r0, r1, x, xsum, xq, row, out):
+    if xq[0].ndim == 2:
+        def int8(code, w, r0, r1, x, xsum, xq, row, out):
+            if _has_i8(code):
+                _rows_i8(code, w, r0, r1, xq[0][0], xq[1][0], xq[2][0], out)
+            else:
+                _rows_f32(code, w, r0, r1, x, xsum, row, out)
+        return int8
+    return lambda code, w, r0, r1, x, xsum, xq, row, out: _rows_f32(code, w, r0, r1, x, xsum, row, out)
 
 
 @njit(cache=True)
 def _rows(code, w, panels, r0, r1, x, xsum, xq, row, tmp, out):
-    """out[r] = dot(row r of w, x) for r in r0..r1-1, by the int8 kernel where x has an int8
-    form xq (`_prepare`; None in the exact mode, whose steps are compiled without the int8
-    kernels) and the type has one (row: float32 scratch as long as x, for types the float32
-    kernels dequantize first); with ``panels`` (int8 mode only), w is a weight's panels and
-    r0..r1 are panels, whose rows the int8 panel kernel computes (tmp: (1, 16))."""
-    if xq is None:
-        _rows_f32(code, w, r0, r1, x, xsum, row, out)
-        return
-    qx, dx, sx, xi = xq
+    """out[r] = dot(row r of w, x) for r in r0..r1-1, x in its forms (`_prepare`); with
+    ``panels``, w is a weight's panels and r0..r1 are panels, whose rows the panel kernel
+    computes (tmp: (1, 16)), else w is GGUF rows (`_gguf_rows`)."""
     if panels:
-        n, nb = x.shape[0], x.shape[0] // 32
-        xr = (qx.reshape(1, n), dx.reshape(1, nb), sx.reshape(1, nb), xi.reshape(1, 2 * nb))
         for p in range(r0, r1):
-            _panel_dots(code, w[p], xr, tmp)
+            _panel_dots(code, w[p], xq, tmp)
             for i in range(min(PANEL, out.shape[0] - p * PANEL)):
                 out[p * PANEL + i] = tmp[0, i]
-    elif _has_i8(code):
-        _rows_i8(code, w, r0, r1, qx, dx, sx, out)
     else:
-        _rows_f32(code, w, r0, r1, x, xsum, row, out)
+        _gguf_rows(code, w, r0, r1, x, xsum, xq, row, out)
 
 
 @njit(cache=True)
@@ -299,13 +311,12 @@ def _product(ctr, slot, home, nr, code, w, pan, x, xsum, xq, row, tmp, out, pair
         for half in range(2 if pair else 1):
             c, wh, o = (code, w, out) if half == 0 else (code2, w2, out2)
             _rows(c, wh, pan, u0, u1, x, xsum, xq, row, tmp, o)  # one call site: one copy of the kernels
-        if pair:
-            r0, r1 = (u0 * PANEL, min(rows, u1 * PANEL)) if pan else (u0, u1)
-            if xq is None:
-                _glu_row(out[r0:r1], out2[r0:r1], out[r0:r1], act)
-            else:  # int8 mode: the panel products' GLU, in this function's strict arithmetic
-                for r in range(r0, r1):
+        if pair:  # the GLU as the prefill's products compute it: the panels' strict arithmetic, or the rows'
+            if pan:
+                for r in range(u0 * PANEL, min(rows, u1 * PANEL)):
                     out[r] = _glu1(out[r], out2[r], act)
+            else:
+                _glu_row(out[u0:u1], out2[u0:u1], out[u0:u1], act)
         done += 1
     _finish(ctr, slot, nr, done)
     return n_items
@@ -322,21 +333,23 @@ _LINE = 64  # bytes: each private array starts on a cache line of its own
 
 
 @njit(cache=True)
-def _private_lengths(n_embd, q_dim, n_ff, KVH, G, D):
-    """Lengths of one worker's private arrays, in the order `_private` cuts them: float32
-    (x, h, row, xsum, de, se, ie, da, sa, ia, df, sf, if, q, k, v, s, tmp; ie, ia and if
-    hold int32: the integer sums of each half block), int8 (qe, qa, qf)."""
+def _private_lengths(n_embd, q_dim, n_ff, KVH, G, D, P):
+    """Lengths of one worker's private arrays, in the order `_private` cuts them, for
+    activations of P planes (int8 1, int24 3): float32 (x, h, row, xsum, de, se, ie, da, sa,
+    ia, df, sf, if, q, k, v, s, tmp; ie, ia and if hold int32: each plane's integer sums of
+    each half block), int8 (qe, qa, qf: the planes)."""
     width = max(n_embd, q_dim, n_ff)
-    f32 = (n_embd, width, width, width // 32, n_embd // 32, n_embd // 32, n_embd // 16, q_dim // 32, q_dim // 32,
-           q_dim // 16, n_ff // 32, n_ff // 32, n_ff // 16, KVH * G * D, KVH * D, KVH * D, KVH * G * _BLOCK, PANEL)
-    return f32, (n_embd, q_dim, n_ff)
+    f32 = (n_embd, width, width, width // 32, n_embd // 32, n_embd // 32, P * (n_embd // 16), q_dim // 32,
+           q_dim // 32, P * (q_dim // 16), n_ff // 32, n_ff // 32, P * (n_ff // 16), KVH * G * D, KVH * D, KVH * D,
+           KVH * G * _BLOCK, PANEL)
+    return f32, (P * n_embd, P * q_dim, P * n_ff)
 
 
 @njit(cache=True)
-def _private_sizes(n_embd, q_dim, n_ff, KVH, G, D):
+def _private_sizes(n_embd, q_dim, n_ff, KVH, G, D, P):
     """(float32, int8) elements of one worker's private arrays (`_private`), each rounded up
     to whole cache lines."""
-    f32, i8 = _private_lengths(n_embd, q_dim, n_ff, KVH, G, D)
+    f32, i8 = _private_lengths(n_embd, q_dim, n_ff, KVH, G, D, P)
     n_f32 = 0
     for n in f32:
         n_f32 += -(-n * 4 // _LINE) * _LINE // 4
@@ -353,15 +366,34 @@ def _cut(arena, at, n):
     return arena[at:at + n], at + -(-n // line) * line
 
 
+def _form(i8, q, d, s, i, n):
+    """The form of an activation of n values that the products read, made of its private
+    arrays (flat: values, block scales, block sums, half blocks' integer sums in float32's
+    room): int8 (as panels.quantize_rows, for one row) where the worker's int8 arena `i8` is
+    flat, int24 (panels.quantize_rows_i24: three planes) where it is (3, L)."""
+    planes = () if i8.ndim == 1 else (3,)
+    return (q.reshape((1, *planes, n)), d.reshape(1, n // 32), s.reshape(1, n // 32),
+            i.view(np.int32).reshape((1, *planes, n // 16)))
+
+
+@overload(_form)
+def _form_jit(i8, q, d, s, i, n):
+    if i8.ndim == 1:
+        return lambda i8, q, d, s, i, n: (q.reshape(1, n), d.reshape(1, n // 32), s.reshape(1, n // 32),
+                                          i.view(np.int32).reshape(1, n // 16))
+    return lambda i8, q, d, s, i, n: (q.reshape(1, 3, n), d.reshape(1, n // 32), s.reshape(1, n // 32),
+                                      i.view(np.int32).reshape(1, 3, n // 16))
+
+
 @njit(cache=True)
 def _private(f32, i8, n_embd, q_dim, n_ff, KVH, G, D):
     """One worker's private arrays, cut from its rows of the scratch arenas (float32 `f32`,
-    int8 `i8`, sized by `_private_sizes`): the residual stream x, the products' input h, a
-    row to dequantize weights into, h's block sums, the int8 forms (values, block scales,
-    block sums, half blocks' integer sums) of the normed x, of the attention output and of the
-    FFN's (None for each when `i8` is None: the exact mode), the query, key and value,
-    attention's scores and a panel's (1, 16) results."""
-    n, m = _private_lengths(n_embd, q_dim, n_ff, KVH, G, D)
+    int8 `i8`, flat for int8 activations or (3, L) for int24 ones, sized by `_private_sizes`):
+    the residual stream x, the products' input h, a row to dequantize weights into, h's block
+    sums, the forms (`_form`) of the normed x, of the attention output and of the FFN's, the
+    query, key and value, attention's scores and a panel's (1, 16) results."""
+    P = 1 if i8.ndim == 1 else 3
+    n, m = _private_lengths(n_embd, q_dim, n_ff, KVH, G, D, P)
     x, at = _cut(f32, 0, n[0])
     h, at = _cut(f32, at, n[1])
     row, at = _cut(f32, at, n[2])
@@ -380,14 +412,12 @@ def _private(f32, i8, n_embd, q_dim, n_ff, KVH, G, D):
     v, at = _cut(f32, at, n[15])
     s, at = _cut(f32, at, n[16])
     tmp, at = _cut(f32, at, n[17])
-    if i8 is None:
-        return (x, h, row, xsum, None, None, None, q.reshape(KVH, G, D), k.reshape(KVH, D), v.reshape(KVH, D),
-                s.reshape(KVH, G, _BLOCK), tmp.reshape(1, PANEL))
-    qe, at = _cut(i8, 0, m[0])
-    qa, at = _cut(i8, at, m[1])
-    qf, at = _cut(i8, at, m[2])
-    return (x, h, row, xsum, (qe, de, se, ie.view(np.int32)), (qa, da, sa, ia.view(np.int32)),
-            (qf, df, sf, if_.view(np.int32)), q.reshape(KVH, G, D), k.reshape(KVH, D), v.reshape(KVH, D),
+    flat = i8.reshape(i8.size)
+    qe, at = _cut(flat, 0, m[0])
+    qa, at = _cut(flat, at, m[1])
+    qf, at = _cut(flat, at, m[2])
+    return (x, h, row, xsum, _form(i8, qe, de, se, ie, n_embd), _form(i8, qa, da, sa, ia, q_dim),
+            _form(i8, qf, df, sf, if_, n_ff), q.reshape(KVH, G, D), k.reshape(KVH, D), v.reshape(KVH, D),
             s.reshape(KVH, G, _BLOCK), tmp.reshape(1, PANEL))
 
 
@@ -432,7 +462,7 @@ def _worker(ctr, home, nr, token, pos, buffer, panels, table, attn_norm, ffn_nor
                 elif step == 3:
                     _attention(ctr, home, nr, li, pos, res[li], offs, n_items, q, k, v, bq, bk, bv, q_norm, k_norm,
                                lcfg[li], eps, kvs[li], pages, ps, cos, sin, neox, scale, part_m[li], part_l[li],
-                               part_acc[li], s, ha, i8)
+                               part_acc[li], s, ha, i8.ndim == 1)  # int8 mode: a flat int8 arena
                     _prepare(ha, xsum, xa)
                 elif step == 4:
                     _wait(ctr, _slot(li, 3, nr), nr, n_items[3])
@@ -473,12 +503,12 @@ def _residual(x, r, post, li, eps, tmp):
 
 @njit(cache=True)
 def _attention(ctr, home, nr, li, pos, res, offs, n_items, q, k, v, bq, bk, bv, q_norm, k_norm, lcfg, eps, kv, pages,
-               ps, cos, sin, neox, scale, part_m, part_l, part_acc, s, out, i8):
+               ps, cos, sin, neox, scale, part_m, part_l, part_acc, s, out, fixed):
     """A thread's part of layer li's attention: wait for q, k, v; norm and RoPE them
     (privately) as the layer says and write the new key and value rows; take chunks of the
     keys the query sees (its window's, in a sliding layer) as items; merge every head's
-    chunks into out (H * D). In the exact mode (i8 None) the chunks split the keys evenly
-    and an item takes every KV head of its chunk; in int8 mode the chunks sit at multiples
+    chunks into out (H * D). In the exact mode the chunks split the keys evenly and an item
+    takes every KV head of its chunk; in int8 mode (``fixed``) the chunks sit at multiples
     of attention._CHUNK and are folded by the batched pass's routine (`_fixed_chunks`), so
     that a token's attention has the bits of a batched pass's.
 
@@ -515,7 +545,7 @@ def _attention(ctr, home, nr, li, pos, res, offs, n_items, q, k, v, bq, bk, bv, 
             _st(kv[at, g, 1], d, v[g, d])
     lo = max(0, pos + 1 - lcfg[1]) if lcfg[1] > 0 else 0  # the first key the query sees
     slot = _slot(li, _ATT, nr)
-    if i8 is not None:
+    if fixed:
         _fixed_chunks(ctr, home, nr, slot, pos, lo, q, kv, pages, ps, lcfg[1], scale, part_m, part_l, part_acc,
                       out)
         return
@@ -583,14 +613,6 @@ def _fixed_chunks(ctr, home, nr, slot, pos, lo, q, kv, pages, ps, window, scale,
     _merge_chunks(part_m[:n_chunks], part_l[:n_chunks], part_acc[:n_chunks], out.reshape(KVH, G, D))
 
 
-@njit(cache=True)
-def _row(a, i):
-    """a[i], or None for a None."""
-    if a is None:
-        return None
-    return a[i]
-
-
 @njit(parallel=True, cache=True)
 def _decode_step(token, pos, n_chunks, buffer, panels, table, attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm,
                  post_attn, post_ffn, lcfg, act, embd_scale, kvs, pages, ps, cos, sin, neox, eps, scale, H, out_norm,
@@ -604,8 +626,7 @@ def _decode_step(token, pos, n_chunks, buffer, panels, table, attn_norm, ffn_nor
     ahead of one still reading the previous layer's results); part_m, part_l and part_acc,
     room for the attention chunks' states (flat: at least n_layer x n_chunks x KVH x G, x D
     for part_acc); ctr, the work counters (zeroed here); f32, i8 and n_items, one row per
-    thread, i8 None in the exact mode (no int8 activations: the step is compiled without the
-    int8 kernels)."""
+    thread (i8: (threads, L) for int8 activations, (threads, 3, L) for int24's planes)."""
     n_layer = attn_norm.shape[0]
     KVH, D = kvs.shape[2], kvs.shape[4]
     G = H // KVH
@@ -617,4 +638,4 @@ def _decode_step(token, pos, n_chunks, buffer, panels, table, attn_norm, ffn_nor
     for home in prange(n_threads):
         _worker(ctr, home, n_threads, token, pos, buffer, panels, table, attn_norm, ffn_norm, bq, bk, bv, q_norm,
                 k_norm, post_attn, post_ffn, lcfg, act, embd_scale, kvs, pages, ps, cos, sin, neox, eps, scale, H,
-                out_norm, logits, res, offs, pm, pl, pa, f32[home], _row(i8, home), n_items[home])
+                out_norm, logits, res, offs, pm, pl, pa, f32[home], i8[home], n_items[home])

@@ -1,16 +1,16 @@
 """How the block's pieces are computed for many tokens at once (block.Ops' subclasses).
 
-`RowOps`: the exact mode's prefill (a model whose products all take whole blocks of 32):
-products by the row kernels of kernels/rows.py on the GGUF blocks (one parallel region for
-q/k/v, one for gate/up with the activation, whose output is the FFN's only (T, n_ff) array),
-serial per-token norms and RoPE.
+`RowOps`: products by the row kernels of kernels/rows.py on the GGUF blocks (one parallel
+region for q/k/v, one for gate/up with the activation, whose output is the FFN's only (T,
+n_ff) array), serial per-token norms and RoPE; for the weights without panels.
 
-`PanelOps`: the batched path's pieces (both modes) and the int8 mode's prefill; as RowOps,
-but the products of weights with panel kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
-Q6_K: kernels/panels.py) run on the weight's panels, which the model packs at first use
-(`Transformer.panels`), their input rows in float32 or (int8=True) quantized to int8 blocks,
-once for q/k/v and once for gate/up. Each token's products depend only on its own row, so a
-token gives the same results in a batch as alone. Weights of other types take RowOps'.
+`PanelOps`: the prefill's and the batched pass's pieces (a model whose products all take
+whole blocks of 32); as RowOps, but the products of weights with panel kernels (Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K: kernels/panels.py) run on the weight's panels, which the
+model packs at first use (`Transformer.panels`), their input rows quantized to int24 blocks
+(the exact mode) or (int8=True) int8 ones, once for q/k/v and once for gate/up. Each token's
+products depend only on its own row, so a token gives the same results in a batch as alone,
+and as in the decode step, which reads the same kernels.
 """
 from __future__ import annotations
 

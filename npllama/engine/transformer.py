@@ -26,7 +26,7 @@ from ..kernels.rope import Ropes
 from ..kernels.rows import matmul_rows as mm  # x @ W.T reading each weight row once, for a few to hundreds of rows
 from ..kernels.threads import check_threads, physical_cores, using_threads
 from . import block
-from .ops import PanelOps, RowOps, fits_rows
+from .ops import PanelOps, fits_rows
 
 __all__ = ["Transformer", "Layer", "QWeight"]
 
@@ -192,8 +192,8 @@ class Transformer:
 
     def panels(self, w: QWeight) -> np.ndarray | None:
         """The panels (kernels/panels.py) of a weight of the model of a type that has them,
-        else None. The first call packs every such weight, into one array (`panel_arena`): a
-        second copy of the weights, for the batched pass and the int8 mode's prefill and decode."""
+        else None. The first call packs every such weight, into one array (`panel_arena`), which
+        the prefill, the decode step and the batched pass read in place of the file's rows."""
         return self._panel_views().get(w.name)
 
     @property
@@ -223,9 +223,9 @@ class Transformer:
 
     def _pack_panels(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """(arena, {weight name: its panels, a view of the arena}) for every product weight of a
-        type with panel kernels whose inputs are whole blocks of 32. In int8 mode, where no
-        product reads those weights' GGUF rows, their pages leave the resident set as they are
-        packed (`GGUFFile.release`; a tied embedding's rows come back as tokens look them up)."""
+        type with panel kernels whose inputs are whole blocks of 32. No product reads those
+        weights' GGUF rows after that, so their pages leave the resident set as they are packed
+        (`GGUFFile.release`; a tied embedding's rows come back as tokens look them up)."""
         ws = {w.name: w for w in self.product_weights() if has_panels(w.qtype) and w.cols % 32 == 0}
         shapes = {n: panel_shape(w.qtype, w.rows, w.cols) for n, w in ws.items()}
         arena = np.zeros(sum(p * b for p, b in shapes.values()), np.uint8)
@@ -234,8 +234,7 @@ class Transformer:
             p, b = shapes[n]
             views[n] = pack_panels(w.data, w.qtype, out=arena[at:at + p * b].reshape(p, b))
             at += p * b
-            if self.activations == "int8":  # every product reads the panels: the file's rows leave RSS
-                self.file.release(w.data)
+            self.file.release(w.data)
         return arena, views
 
     def _run(self, ids: np.ndarray, cache: KVCache, all_logits: bool, output: str, threads: int) -> np.ndarray:
@@ -280,12 +279,10 @@ class Transformer:
             cache.append(li, k, v)
             return attend(q, cache.buffer(li), cache.layer_length(li), window=window, scale=cfg.attn_scale)
 
-        # int8 activations: products by the panel kernels where the weights have them; exact:
-        # the row kernels, q/k/v in one parallel region and gate/up with their GLU in another
-        if self.activations == "int8" and fits_rows(cfg):
-            ops = PanelOps(self, cached_attention, int8=True)
-        elif fits_rows(cfg):
-            ops = RowOps(cfg, cached_attention)
+        # products by the panel kernels where the weights have them (int8 or int24
+        # activations), q/k/v in one parallel region and gate/up with their GLU in another
+        if fits_rows(cfg):
+            ops = PanelOps(self, cached_attention, int8=self.activations == "int8")
         else:
             ops = block.Ops(cfg, mm, cached_attention)
         x = block.run_layers(self, block.embed(self, ids), positions, ops, end)

@@ -1,7 +1,8 @@
-"""Products of many activation rows on weights laid out in panels of 16 rows: with int8
-activations (the int8 mode's prefill and batched passes) and with float32 ones (the exact
-mode's batched pass). rows.py has the exact products on the GGUF blocks (prefill); quants.py
-and quants_int8.py the decode step's one-row dots.
+"""Products of activation rows on weights laid out in panels of 16 rows, with the
+activations quantized per block of 32: to int8 (the int8 mode) or to int24 (the exact mode).
+Both modes' prefill, decode step and batched pass read these kernels for the weights that
+have panels, so a token's products are the same bits in all three. rows.py, quants.py and
+quants_int8.py have the products on the GGUF blocks, for the weights without panels.
 
 Panels
 ------
@@ -25,9 +26,9 @@ block by block (a K-quant's super-block of 256 is 8 blocks); for each block of 3
 so a panel block is the size of its 16 GGUF blocks (Q4_1 320 bytes, Q4_0 288, Q5_0 352, Q5_1
 384, Q8_0 544), or 11/9 of it (Q4_K 352), 13/11 (Q5_K 416), 16/15 (Q6_K 448).
 
-The int8 micro-kernel
----------------------
-Each activation row x is quantized per block of 32 as the decode step quantizes it
+The micro-kernel
+----------------
+int8: each activation row x is quantized per block of 32 as the decode step quantizes it
 (`quants_int8._quantize_x_q8`: int8 q, scale d_x, s_x = d_x sum q), plus the integer sums of
 q over each half of the block. For a panel and a tile of up to 4 activation rows, per block:
 each 64-byte vector of quants (split into its low and high nibbles, the high bits or-ed in as
@@ -41,60 +42,58 @@ dots per activation row, after which
 or for Q6_K, whose halves have their own d (the low nibbles' elements are the first half, the
 high nibbles' the second), the same first line for each half with its own sums (bias 32).
 
+int24 (`_quantize_rows_i24`): q = round(x / d_x) with d_x = max|x| / (126 * 65536) per block,
+an integer of 24 bits (the width of a float32's significand: each x is kept to within
+max|x| 2^-24 of its block, as the rounding of a float32 dot at that block's largest term),
+written as three signed base-256 digits q = 65536 q1 + 256 q2 + q3. Each digit plane takes
+the int8 dots, and a block's sum is their integers combined in float32, (65536 f1 + (256 f2
++ f3)), then scaled as above. So a product agrees with a float64 dot of the dequantized
+weights and x to float32 rounding (about 1e-7 of the output's scale, as a float32 dot), at 3
+dots where int8 takes 1: a decode step's products still run at the memory's bandwidth, which
+float32 dots of the dequantized weights (8 vector operations per 32 weights) do not reach.
+
 The integer sums are exact, and every activation row's float operations are the same whatever
 the tile size, so a row's products do not depend on the other rows beside it (batched passes
 equal single runs bit for bit). The dot is vpdpbusd where the CPU has AVX512-VNNI, two 256-bit
 ones with AVX-VNNI, else portable IR (widening multiplies; `_make_panel_dots(isa)` builds any).
 
-The float32 micro-kernel
-------------------------
-For a panel and a tile of up to 16 activation rows (then 8, 4, 1), per block: each column's
-16 weights (one per row: a shift and a mask of a 64-byte vector, or-ed with the high bits)
-are converted to float32 exactly, w_r = d_r q_r + m_r (or d_r (q_r - bias), d_r of the
-column's half for Q6_K), and
-multiplied-added with the column's x value of each row of the tile, broadcast: acc_r += w_r
-x_t. Each weight is dequantized once per tile, in registers (a tile of 16 rows takes ~21
-vector operations per column where two of 8 take ~26), and a row's sum runs over the columns
-in one fixed order whatever the tile, so here too a row's products do not depend on the rows
-beside it.
-
 Njit level (C-contiguous arrays, nothing raises):
 
-* ``_quantize_rows(x, xq, xd, xs, xi)``: each row of x (T, n) float32 quantized.
-* ``xr``, the activation rows as the products take them: ``(xq, xd, xs, xi)`` from
-  ``quantize_rows`` (int8), or ``(x,)`` with x (T, n) float32.
+* ``_quantize_rows(x, xq, xd, xs, xi)``, ``_quantize_rows_i24``: each row of x (T, n)
+  float32 quantized; ``_quantize_into(x, xr)`` either, by the form of xr.
+* ``xr``, the activation rows as the products take them: ``(xq, xd, xs, xi)``, int8 (xq (T,
+  n), xi (T, n // 16)) or int24 (xq (T, 3, n), xi (T, 3, n // 16): the planes).
 * ``_panel_rows(code, pw, p, xr, tmp)``: tmp[t, :] = the 16 products of panel p with every
   activation row t (tmp: (T, 16) float32), by the micro-kernel ``_panel_dots``.
 * ``_matmul_panels``, ``_qkv_panels``, ``_gate_up_panels``: the products, parallel over panels.
 
 Python level: ``has_panels(qtype)``, ``panel_shape(qtype, rows, cols)``, ``pack_panels(data,
-qtype, out=None)``, ``quantize_rows(x)`` and ``matmul_panels(panels, qtype, rows, x, int8=True)``.
+qtype, out=None)``, ``quantize_rows(x)``, ``quantize_rows_i24(x)``, ``activation_rows(x, int8)``
+and ``matmul_panels(panels, qtype, rows, x, int8=True)``.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from .nn import _glu1
 from .quants import (_F32T, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q4_K, _Q5_0, _Q5_1, _Q5_K, _Q6_K, _Q8_0, _const_vec,
                      _ir_call, _ir_load, _ir_splat, _is_c_array, _shuffle, _vec)
 from .quants_int8 import DOT_ISA, _ir_f16_vec, _quantize_x_q8
 
-__all__ = ["PANEL", "has_panels", "panel_shape", "pack_panels", "quantize_rows", "activation_rows", "matmul_panels"]
+__all__ = ["PANEL", "has_panels", "panel_shape", "pack_panels", "quantize_rows", "quantize_rows_i24", "activation_rows",
+           "matmul_panels"]
 
 PANEL = 16  # weight rows per panel: the int32 lanes of a 512-bit vector
-# The micro-kernels' tiles of activation rows, largest first, each with the rows it may lack:
-# a tail that smaller tiles would leave to 1-row tiles takes a larger one whose missing rows
-# repeat the last row (computed twice, the same bits, stored in the same place). Float32,
-# 2 threads, a product of 1,536 rows in cache (GFLOP/s, tiles of exactly their rows before
-# -> these): 13-15 rows 112-132 -> 151-176, 10-11 102-112 -> 142-159, 6-7 83-88 -> 131-155,
-# 2-3 51-53 -> 78-118; 12 rows ran slower in a tile of 16 than in 8 + 4, 5 no faster in a
-# tile of 8, nor int8's 2 and 3 rows in a tile of 4.
-_TT = ((4, 0), (1, 0))                      # int8: (rows, rows it may lack)
-_TT_F32 = ((16, 3), (8, 2), (4, 2), (1, 0))  # float32
+# The micro-kernel's tiles of activation rows, largest first. int8's 2 and 3 rows ran no
+# faster in a tile of 4; int24 prefill products (128 rows) ran as fast in tiles of 2 or 3 as
+# in tiles of 4.
+_TT = (4, 1)
 
 # kind: (GGUF block bytes, offset of its quants, 4-byte groups per block, panel block bytes, bias,
 #        has m, the panel's scales ("f16": d, then m where it has them; "k": d, dmin, then sc
@@ -265,6 +264,105 @@ def _quantize_rows(x, xq, xd, xs, xi):
             xi[t, h] = acc
 
 
+# int24 activations: q = rint(x / d) with d = max|x| / _I24 per block of 32, written as three
+# signed base-256 digits q = 65536 q1 + 256 q2 + q3, each in -128..127 (|q| <= _I24 keeps the
+# top digit within 126)
+_I24 = 126 * 65536
+
+
+@intrinsic
+def _quantize_row_i24(typingctx, x, q, d, s, i):
+    """One row x (n,) as int24 blocks (`_quantize_rows_i24`): q (3 n,) the planes one after
+    another, d and s (n // 32,), i (3 n // 16,) each plane's half-block sums; one block of 32
+    per iteration in vector IR (exact IEEE float32 arithmetic, as the int8 quantizer's)."""
+    if not (_is_c_array(x, types.float32) and _is_c_array(q, types.int8) and _is_c_array(d, types.float32)
+            and _is_c_array(s, types.float32) and _is_c_array(i, types.int32)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        xp, qp, dp, sp, ip = (context.make_array(ty)(context, builder, v).data for ty, v in zip(sig.args, args))
+        n = builder.extract_value(context.make_array(sig.args[0])(context, builder, args[0]).shape, 0)
+        c = lambda v: ir.Constant(n.type, v)  # noqa: E731
+        nb = builder.sdiv(n, c(32))
+        f32 = lambda v: ir.Constant(_F32T, v)  # noqa: E731
+        vf, vi = _vec(_F32T, 32), _vec(_I32, 32)
+        k = lambda v: _const_vec(_I32, 32, v)  # noqa: E731
+
+        def reduce(name, v):
+            return _ir_call(builder, f"llvm.vector.reduce.{name}.v{v.type.count}i32", _I32, [v])
+
+        def digit(v):  # v's low base-256 digit in -128..127, and (v - digit) / 256
+            lo = builder.sub(builder.and_(builder.add(v, k(128)), k(255)), k(128))
+            return lo, builder.ashr(builder.sub(v, lo), k(8))
+
+        with cgutils.for_range(builder, nb) as loop:
+            b = loop.index
+            o = builder.mul(b, c(32))
+            v = _ir_load(builder, xp, o, vf, 4)
+            # max |x_j| as the largest bit pattern without the sign bit: a NaN (above inf) sticks
+            amax = builder.bitcast(reduce("umax", builder.and_(builder.bitcast(v, vi), k(0x7FFFFFFF))), _F32T)
+            db = builder.fdiv(amax, f32(float(_I24)))
+            idb = builder.select(builder.fcmp_ordered(">", db, f32(0.0)), builder.fdiv(f32(1.0), db), f32(0.0))
+            ok = builder.and_(builder.fcmp_ordered("<", db, f32(math.inf)),     # false for NaN
+                              builder.fcmp_ordered("<", idb, f32(math.inf)))
+            v = builder.select(ok, v, ir.Constant(vf, [0.0] * 32))             # no inf/NaN below
+            r = _ir_call(builder, "llvm.rint.v32f32", vf, [builder.fmul(v, _ir_splat(builder, idb, 32))])
+            qv = builder.fptosi(r, vi)                                          # |q| <= _I24 + 1
+            q3, rest = digit(qv)
+            q2, q1 = digit(rest)
+            for p, plane in enumerate((q1, q2, q3)):
+                at = builder.add(builder.mul(c(p), n), o)
+                builder.store(builder.trunc(plane, _vec(_I8, 32)),
+                              builder.bitcast(builder.gep(qp, [at]), _vec(_I8, 32).as_pointer()), align=1)
+                for h in range(2):
+                    half = _shuffle(builder, plane, plane, list(range(16 * h, 16 * h + 16)))
+                    at = builder.add(builder.mul(c(p), builder.add(nb, nb)), builder.add(builder.add(b, b), c(h)))
+                    builder.store(reduce("add", half), builder.gep(ip, [at]))
+            builder.store(db, builder.gep(dp, [b]))
+            builder.store(builder.fmul(db, builder.sitofp(reduce("add", qv), _F32T)), builder.gep(sp, [b]))
+        return context.get_dummy_value()
+
+    return types.none(x, q, d, s, i), codegen
+
+
+@njit(cache=True)
+def _quantize_rows_i24(x, xq, xd, xs, xi):
+    """Each row of x (T, n) as int24 blocks: xq (T, 3, n) int8, the digit planes q1, q2, q3;
+    xd (T, n // 32) float32 d; xs (T, n // 32) float32 d sum q; xi (T, 3, n // 16) int32, the
+    sums of each plane over each half (16 values) of each block. As the int8 quantizer's: d =
+    max|x| / _I24, q = rint(x * (1 / d)), and q = 0 where 1 / d is not finite (a zero block, or
+    one so small that 1 / d overflows, contributes 0), and a block with an inf or NaN gets d =
+    inf or NaN and s = NaN, so that the products come out NaN as with float32 activations."""
+    T, n = x.shape
+    for t in range(T):
+        _quantize_row_i24(x[t], xq[t].reshape(3 * n), xd[t], xs[t], xi[t].reshape(3 * (n // 16)))
+
+
+def _quantize_into(x, xr):
+    """Quantize the rows of x (T, n) into the activation rows xr of either form (int8, int24)."""
+    (_quantize_rows_i24 if xr[0].ndim == 3 else _quantize_rows)(x, xr[0], xr[1], xr[2], xr[3])
+
+
+@overload(_quantize_into)
+def _quantize_into_jit(x, xr):
+    if xr[0].ndim == 3:
+        return lambda x, xr: _quantize_rows_i24(x, xr[0], xr[1], xr[2], xr[3])
+    return lambda x, xr: _quantize_rows(x, xr[0], xr[1], xr[2], xr[3])
+
+
+def quantize_rows_i24(x) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(xq, xd, xs, xi) of `_quantize_rows_i24` for x of shape (T, n), n a multiple of 32."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] % 32:
+        raise ValueError(f"x must have shape (T, n) with n a multiple of 32, got {x.shape}")
+    T, n = x.shape
+    xq = np.empty((T, 3, n), np.int8)
+    xd, xs = np.empty((T, n // 32), np.float32), np.empty((T, n // 32), np.float32)
+    xi = np.empty((T, 3, n // 16), np.int32)
+    _quantize_rows_i24(x, xq, xd, xs, xi)
+    return xq, xd, xs, xi
+
+
 def quantize_rows(x) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(xq, xd, xs, xi) of `_quantize_rows` for x of shape (T, n), n a multiple of 32."""
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -333,30 +431,30 @@ def _make_panel_dots(isa: str):
              builder.shl(h, _const_vec(ty, lanes, to - frm)) if frm < to else h)
         return builder.and_(v, _const_vec(ty, lanes, 1 << to))
 
-    def tile_rows(builder, t0, tt, last):  # rows t0 .. t0 + tt - 1, past `last` repeating it
-        rows = [builder.add(t0, ir.Constant(t0.type, t)) for t in range(tt)]
-        return [builder.select(builder.icmp_signed("<", r, last), r, last) for r in rows]
-
-    def tile(builder, kind, arrays, t0, tt, last):  # tmp[t0 + t, :] for t < tt, int8 x
+    def tile(builder, kind, arrays, t0, tt, P):  # tmp[t0 + t, :] for t < tt, int8 (P 1) or int24 (P 3) x
         _, _, groups, pbs, bias, has_m, layout, bits, halves = _KINDS[kind]
         pp, qp, dp, sp, ip, tmp, n = arrays
         nb = builder.sdiv(n, ir.Constant(n.type, 32))
         c = lambda v: ir.Constant(n.type, v)  # noqa: E731
-        rows = tile_rows(builder, t0, tt, last)
-        xrow = [builder.bitcast(builder.gep(qp, [builder.mul(r, n)]), _I8.as_pointer()) for r in rows]
+        rows = [builder.add(t0, c(t)) for t in range(tt)]
+        # xrow[p][t]: plane p of row t's x; xi's half-block sums: row r plane p at (P r + p) 2 nb
+        xrow = [[builder.bitcast(builder.gep(qp, [builder.mul(builder.add(builder.mul(r, c(P)), c(p)), n)]),
+                                 _I8.as_pointer()) for r in rows] for p in range(P)]
         brow = [builder.mul(r, nb) for r in rows]
+        irow = [[builder.mul(builder.add(builder.mul(r, c(P)), c(p)), nb) for r in rows] for p in range(P)]
         acc = [cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for _ in range(tt)]
         with cgutils.for_range(builder, nb) as loop:
             b = loop.index
             ob = builder.mul(b, c(pbs))
             xo = builder.mul(b, c(32))
-            # two chains of dots a row for Q6_K's halves, and in a tile of one row, whose one
-            # chain would wait on each dot's latency (a tile of 4 rows has 4 chains already)
-            chains = 2 if halves or tt == 1 else 1
-            isum = [[ir.Constant(v16i, [0] * 16)] * tt for _ in range(chains)]
+            # two chains of dots a row for Q6_K's halves, and in a tile of one row of int8, whose
+            # one chain would wait on each dot's latency (a tile of 4 rows, or int24's planes,
+            # have independent chains already)
+            chains = 2 if halves or (tt == 1 and P == 1) else 1
+            isum = [[[ir.Constant(v16i, [0] * 16)] * tt for _ in range(chains)] for _ in range(P)]
 
-            def x4(t, col):  # the 4 bytes of row t's x from column 32 b + col, in every lane
-                w = _ir_load(builder, xrow[t], builder.add(xo, c(col)), _I32, 1)
+            def x4(t, col, p):  # the 4 bytes of plane p of row t's x from column 32 b + col, in every lane
+                w = _ir_load(builder, xrow[p][t], builder.add(xo, c(col)), _I32, 1)
                 return builder.bitcast(_ir_splat(builder, w, 16), v64b)
 
             hv = [_ir_load(builder, pp, builder.add(ob, c(64 * (groups + j))), v64b, 1) for j in range(bits)]
@@ -371,69 +469,40 @@ def _make_panel_dots(isa: str):
                     parts = [(builder.or_(parts[0][0], move_bit(builder, h, k, 4 + j, _I8, 64)), parts[0][1]),
                              (builder.or_(parts[1][0], move_bit(builder, h, 4 + k, 4 + j, _I8, 64)), parts[1][1])]
                 for half, (u, col) in enumerate(parts):
-                    sums = isum[(half if len(parts) == 2 else k) % chains]
-                    for t in range(tt):
-                        sums[t] = _ir_dpbusd(builder, sums[t], u, x4(t, col), isa)
+                    for p in range(P):
+                        sums = isum[p][(half if len(parts) == 2 else k) % chains]
+                        for t in range(tt):
+                            sums[t] = _ir_dpbusd(builder, sums[t], u, x4(t, col, p), isa)
             dw, mw = scales(builder, pp, builder.add(ob, c(64 * (groups + bits))), layout, has_m)
             for t in range(tt):
                 at = builder.add(brow[t], b)
-                xi = [_ir_load(builder, ip, builder.add(builder.add(at, at), c(j)), _I32, 4) for j in range(2)]
-                sums = [chain[t] for chain in isum]
-                if not halves:  # one sum a block: the chains' (integers: exact in any order)
-                    xi, sums = [builder.add(xi[0], xi[1])], [sums[0] if chains == 1 else builder.add(sums[0], sums[1])]
+                planes = []  # per plane: the block's (or each half's) sums as float32
+                for p in range(P):
+                    ai = builder.add(irow[p][t], b)
+                    xi = [_ir_load(builder, ip, builder.add(builder.add(ai, ai), c(j)), _I32, 4) for j in range(2)]
+                    sums = [chain[t] for chain in isum[p]]
+                    if not halves:  # one sum a block: the chains' (integers: exact in any order)
+                        xi, sums = ([builder.add(xi[0], xi[1])],
+                                    [sums[0] if chains == 1 else builder.add(sums[0], sums[1])])
+                    if bias:
+                        sums = [builder.sub(s, _ir_splat(builder, builder.mul(i, ir.Constant(_I32, bias)), 16))
+                                for s, i in zip(sums, xi)]
+                    planes.append([builder.sitofp(s, v16f) for s in sums])
+                fs = planes[0]
+                if P == 3:  # int24: 65536 f1 + (256 f2 + f3), 256 f2 exact
+                    fs = [_ir_call(builder, "llvm.fma.v16f32", v16f,
+                                   [f1, _const_vec(_F32T, 16, 65536.0),
+                                    builder.fadd(builder.fmul(f2, _const_vec(_F32T, 16, 256.0)), f3)])
+                          for f1, f2, f3 in zip(*planes)]
                 a = builder.load(acc[t])
                 dx = _ir_splat(builder, _ir_load(builder, dp, at, _F32T, 4), 16)
-                for j, s in enumerate(sums):
-                    if bias:
-                        s = builder.sub(s, _ir_splat(builder, builder.mul(xi[j], ir.Constant(_I32, bias)), 16))
+                for j, f in enumerate(fs):
                     scale = builder.fmul(mw if j else dw, dx)
-                    a = _ir_call(builder, "llvm.fma.v16f32", v16f, [builder.sitofp(s, v16f), scale, a])
+                    a = _ir_call(builder, "llvm.fma.v16f32", v16f, [f, scale, a])
                 if has_m:
                     a = _ir_call(builder, "llvm.fma.v16f32", v16f,
                                  [mw, _ir_splat(builder, _ir_load(builder, sp, at, _F32T, 4), 16), a])
                 builder.store(a, acc[t])
-        for t in range(tt):
-            ptr = builder.bitcast(builder.gep(tmp, [builder.mul(rows[t], c(PANEL))]), v16f.as_pointer())
-            builder.store(builder.load(acc[t]), ptr, align=4)
-
-    def tile_f32(builder, kind, arrays, t0, tt, last):  # tmp[t0 + t, :] for t < tt, float32 x
-        _, _, groups, pbs, bias, has_m, layout, bits, halves = _KINDS[kind]
-        pp, xp, tmp, n = arrays
-        nb = builder.sdiv(n, ir.Constant(n.type, 32))
-        c = lambda v: ir.Constant(n.type, v)  # noqa: E731
-        rows = tile_rows(builder, t0, tt, last)
-        xrow = [builder.gep(xp, [builder.mul(r, n)]) for r in rows]
-        acc = [cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for _ in range(tt)]
-        with cgutils.for_range(builder, nb) as loop:
-            b = loop.index
-            ob = builder.mul(b, c(pbs))
-            xo = builder.mul(b, c(32))
-            dw, mw = scales(builder, pp, builder.add(ob, c(64 * (groups + bits))), layout, has_m)
-            hv = [_ir_load(builder, pp, builder.add(ob, c(64 * (groups + j))), v16i, 1) for j in range(bits)]
-            a = [builder.load(x) for x in acc]
-            for k in range(groups):
-                v = _ir_load(builder, pp, builder.add(ob, c(64 * k)), v16i, 1)  # lane r: row r's 4 bytes
-                if groups == 8:   # (column, shift, mask, position in h of its high bits) of each element in the lane
-                    cols = [(4 * k + i, 8 * i, 255, None) for i in range(4)]
-                else:
-                    cols = ([(4 * k + i, 8 * i, 15, 8 * i + k) for i in range(4)]
-                            + [(16 + 4 * k + i, 8 * i + 4, 15, 8 * i + 4 + k) for i in range(4)])
-                for col, shift, mask, bit in cols:
-                    q = builder.and_(builder.lshr(v, _const_vec(_I32, 16, shift)), _const_vec(_I32, 16, mask))
-                    for j, h in enumerate(hv):  # bit 4 + j, at `bit` of h
-                        q = builder.or_(q, move_bit(builder, h, bit, 4 + j, _I32, 16))
-                    if bias:
-                        q = builder.sub(q, _const_vec(_I32, 16, bias))
-                    f = builder.sitofp(q, v16f)
-                    if halves:
-                        w = builder.fmul(f, mw if col >= 16 else dw)
-                    else:
-                        w = _ir_call(builder, "llvm.fma.v16f32", v16f, [f, dw, mw]) if has_m else builder.fmul(f, dw)
-                    for t in range(tt):
-                        xv = _ir_splat(builder, _ir_load(builder, xrow[t], builder.add(xo, c(col)), _F32T, 4), 16)
-                        a[t] = _ir_call(builder, "llvm.fma.v16f32", v16f, [w, xv, a[t]])
-            for t in range(tt):
-                builder.store(a[t], acc[t])
         for t in range(tt):
             ptr = builder.bitcast(builder.gep(tmp, [builder.mul(rows[t], c(PANEL))]), v16f.as_pointer())
             builder.store(builder.load(acc[t]), ptr, align=4)
@@ -444,31 +513,28 @@ def _make_panel_dots(isa: str):
         arrs = ([context.make_array(sig.args[1])(context, builder, args[1])]
                 + [context.make_array(ty)(context, builder, a) for ty, a in zip(sig.args[2], xr)]
                 + [context.make_array(sig.args[3])(context, builder, args[3])])
-        n = builder.extract_value(arrs[1].shape, 1)
+        nd = sig.args[2][0].ndim
+        P = 1 if nd == 2 else 3  # int8: (T, n) values; int24: (T, 3, n), three planes
+        n = builder.extract_value(arrs[1].shape, nd - 1)
         T = builder.extract_value(arrs[1].shape, 0)
         arrays = [a.data for a in arrs] + [n]
-        int8 = len(xr) == 4
-        sizes, emit = (_TT, tile) if int8 else (_TT_F32, tile_f32)
         c = lambda v: ir.Constant(T.type, v)  # noqa: E731
-        last = builder.sub(T, c(1))
         for qt, kind in _CODES.items():
             with builder.if_then(builder.icmp_signed("==", code, ir.Constant(code.type, qt))):
                 done = c(0)
-                for tt, missing in sizes:  # tiles of tt rows while at least tt - missing rows are left
-                    count = builder.sdiv(builder.add(builder.sub(T, done), c(missing)), c(tt))
+                for tt in _TT:  # tiles of tt rows while tt rows are left
+                    count = builder.sdiv(builder.sub(T, done), c(tt))
                     with cgutils.for_range(builder, count) as loop:
-                        emit(builder, kind, arrays, builder.add(done, builder.mul(loop.index, c(tt))), tt, last)
+                        tile(builder, kind, arrays, builder.add(done, builder.mul(loop.index, c(tt))), tt, P)
                     done = builder.add(done, builder.mul(count, c(tt)))
-                    done = builder.select(builder.icmp_signed("<", done, T), done, T)
         return context.get_dummy_value()
 
-    def activations(xr):  # (xq, xd, xs, xi) int8, or (x,) float32
-        if not isinstance(xr, types.BaseTuple):
+    def activations(xr):  # (xq, xd, xs, xi): int8 (xq and xi 2-D) or int24 (3-D: the planes)
+        if not (isinstance(xr, types.BaseTuple) and len(xr) == 4 and isinstance(xr[0], types.Array)):
             return False
-        if len(xr) == 1:
-            return _is_c_array(xr[0], types.float32, 2)
-        return (len(xr) == 4 and _is_c_array(xr[0], types.int8, 2) and _is_c_array(xr[1], types.float32, 2)
-                and _is_c_array(xr[2], types.float32, 2) and _is_c_array(xr[3], types.int32, 2))
+        nd = xr[0].ndim
+        return (nd in (2, 3) and _is_c_array(xr[0], types.int8, nd) and _is_c_array(xr[1], types.float32, 2)
+                and _is_c_array(xr[2], types.float32, 2) and _is_c_array(xr[3], types.int32, nd))
 
     @intrinsic
     def panel_dots(typingctx, code, panel, xr, tmp):
@@ -539,23 +605,19 @@ def _gate_up_panels(cg, pg, cu, pu, xr, out, act):
 
 
 def activation_rows(x, int8: bool) -> tuple:
-    """x (T, n), n a multiple of 32, as the products take it (`xr`): quantized, or float32."""
-    if int8:
-        return quantize_rows(x)
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.ndim != 2 or x.shape[1] % 32:
-        raise ValueError(f"x must have shape (T, n) with n a multiple of 32, got {x.shape}")
-    return (x,)
+    """x (T, n), n a multiple of 32, as the products take it (`xr`): in int8 blocks, or in
+    int24 ones (the exact mode)."""
+    return quantize_rows(x) if int8 else quantize_rows_i24(x)
 
 
 def matmul_panels(panels: np.ndarray, qtype, rows: int, x, *, int8: bool = True) -> np.ndarray:
     """x @ W.T (T, rows) for a weight W of `rows` rows given by its panels (`pack_panels`) and
-    activation rows x (T, n): x quantized to int8 blocks, or with int8=False in float32."""
+    activation rows x (T, n): x quantized to int8 blocks, or with int8=False to int24 ones."""
     kind = _CODES.get(int(qtype))
     if kind is None:
         raise ValueError(f"no panel kernels for type {qtype!r}; they exist for {_TYPES}")
     xr = activation_rows(x, int8)
-    T, n = xr[0].shape
+    T, n = xr[0].shape[0], xr[0].shape[-1]
     if panels.dtype != np.uint8 or panels.shape != panel_shape(qtype, rows, n):
         raise ValueError(f"panels of shape {panels.shape} do not hold a {kind} weight of {rows} rows and "
                          f"{n} columns; make them with pack_panels")

@@ -1,6 +1,6 @@
-"""Products and small kernels over a few to a few hundred activation rows: the exact prefill's
-(engine/ops.py's RowOps; `matmul_rows` where a model has products not on whole blocks) and the
-batched path's for weights without panels.
+"""Products and small kernels over a few to a few hundred activation rows: the prefill's and
+the batched path's for weights without panels (engine/ops.py's RowOps), and `matmul_rows`
+where a model has products not on whole blocks.
 
 The row kernels read every weight once per call: each parallel task dequantizes _TILE (4)
 weight rows (quants._deq_row_vec: vector code for the common types) into a scratch that stays
@@ -9,8 +9,8 @@ dequantization is paid once per weight row and the T products run at the FMA rat
 _FEW (3) rows, rows of the types with a direct dot (all quantized types but the floats) are
 dotted straight from their blocks by the decode kernels' dots. Measured on 2 cores with
 SmolLM2-135M Q4_1, this beats the tiled-dequant + BLAS path (`quants.matmul`) at every T from 2
-to 512: dequantizing whole weights into memory costs more than the BLAS products gain. The
-exact prefill's `RowOps` (engine/ops.py) is the block's pieces computed by these kernels.
+to 512: dequantizing whole weights into memory costs more than the BLAS products gain.
+`RowOps` (engine/ops.py) is the block's pieces computed by these kernels.
 """
 from __future__ import annotations
 
