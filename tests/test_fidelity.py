@@ -116,6 +116,15 @@ def _decode_top1_agreement(model, fix):
     return agree, total
 
 
+@pytest.mark.parametrize("name", ["q4_1", "q8_0"])
+def test_exact_decode_step_fidelity(name, variant_path):
+    """The exact mode token by token through the decode step (int24 products on the panels, a
+    float32 cache): top-1 agreement with HF float32 at the prefill's 99%."""
+    agree, total = _decode_top1_agreement(npllama.Model(variant_path(name)), np.load(FIX / f"fidelity_{name}.npz"))
+    print(f"\nexact mode, {name}, decode step: top-1 agreement with HF float32 {agree}/{total} = {agree / total:.2%}")
+    assert agree / total >= 0.99
+
+
 def test_float16_cache_keeps_exact_mode_fidelity(variant_path):
     """Exact products with a float16 KV cache (`kv_dtype="float16"`, half the bytes a long
     context reads per token): top-1 agreement with HF float32 stays at the exact mode's 99%."""
