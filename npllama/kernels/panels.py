@@ -43,8 +43,8 @@ or for Q6_K, whose halves have their own d (the low nibbles' elements are the fi
 high nibbles' the second), the same first line for each half with its own sums (bias 32).
 
 int24 (`_quantize_rows_i24`): q = round(x / d_x) with d_x = max|x| / (126 * 65536) per block,
-an integer of 24 bits (the width of a float32's significand: each x is kept to within
-max|x| 2^-24 of its block, as the rounding of a float32 dot at that block's largest term),
+an integer of 24 bits (the width of a float32's significand: each x is kept to within about
+2^-23 of its block's max|x|, about the rounding of a float32 dot at that block's largest term),
 written as three signed base-256 digits q = 65536 q1 + 256 q2 + q3. Each digit plane takes
 the int8 dots, and a block's sum is their integers combined in float32, (65536 f1 + (256 f2
 + f3)), then scaled as above. So a product agrees with a float64 dot of the dequantized
