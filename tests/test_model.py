@@ -56,7 +56,7 @@ def test_single_token(tiny_model_path):
 
 @pytest.mark.parametrize("qtype", [QT.F16, QT.Q4_1, QT.Q5_0])
 @pytest.mark.parametrize("n", [1, 37])
-def test_exact_prefill_fused_products_are_bit_equal(tmp_path, qtype, n):
+def test_exact_prefill_fused_products_match_one_at_a_time(tmp_path, qtype, n):
     """The exact prefill computes q/k/v in one parallel region and gate/up with their GLU in
     another (engine.ops: the row kernels for F16, the int24 panels for the others); its logits
     are the bits of one product at a time (block.Ops on matmul_rows or matmul_panels, then
