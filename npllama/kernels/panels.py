@@ -46,11 +46,12 @@ int24 (`_quantize_rows_i24`): q = round(x / d_x) with d_x = max|x| / (126 * 6553
 an integer of 24 bits (the width of a float32's significand: each x is kept to within about
 2^-23 of its block's max|x|, about the rounding of a float32 dot at that block's largest term),
 written as three signed base-256 digits q = 65536 q1 + 256 q2 + q3. Each digit plane takes
-the int8 dots, and a block's sum is their integers combined in float32, (65536 f1 + (256 f2
-+ f3)), then scaled as above. So a product agrees with a float64 dot of the dequantized
-weights and x to float32 rounding (about 1e-7 of the output's scale, as a float32 dot), at 3
-dots where int8 takes 1: a decode step's products still run at the memory's bandwidth, which
-float32 dots of the dequantized weights (8 vector operations per 32 weights) do not reach.
+the int8 dots; the last two planes' integer sums (less their bias) are joined exactly in
+int32, s23 = 256 s2 + s3 (below 2^29), and a block's sum is 65536 f1 + float(s23) in float32,
+then scaled as above. So a product agrees with a float64 dot of the dequantized weights and x
+to float32 rounding (about 1e-7 of the output's scale, as a float32 dot), at 3 dots where
+int8 takes 1: a decode step's products still run at the memory's bandwidth, which float32
+dots of the dequantized weights (8 vector operations per 32 weights) do not reach.
 
 The integer sums are exact, and every activation row's float operations are the same whatever
 the tile size, so a row's products do not depend on the other rows beside it (batched passes
@@ -447,53 +448,57 @@ def _make_panel_dots(isa: str):
             b = loop.index
             ob = builder.mul(b, c(pbs))
             xo = builder.mul(b, c(32))
-            # two chains of dots a row for Q6_K's halves, and in a tile of one row of int8, whose
-            # one chain would wait on each dot's latency (a tile of 4 rows, or int24's planes,
-            # have independent chains already)
-            chains = 2 if halves or (tt == 1 and P == 1) else 1
-            isum = [[[ir.Constant(v16i, [0] * 16)] * tt for _ in range(chains)] for _ in range(P)]
 
             def x4(t, col, p):  # the 4 bytes of plane p of row t's x from column 32 b + col, in every lane
                 w = _ir_load(builder, xrow[p][t], builder.add(xo, c(col)), _I32, 1)
                 return builder.bitcast(_ir_splat(builder, w, 16), v64b)
 
-            hv = [_ir_load(builder, pp, builder.add(ob, c(64 * (groups + j))), v64b, 1) for j in range(bits)]
-            for k in range(groups):
+            def parts(k):  # group k's unsigned weights as [(64 bytes, x's column of their first)]
                 v = _ir_load(builder, pp, builder.add(ob, c(64 * k)), v64b, 1)
                 if groups == 8:  # one element a byte
-                    parts = [(v, 4 * k)]
-                else:
-                    parts = [(builder.and_(v, _const_vec(_I8, 64, 15)), 4 * k),
-                             (builder.lshr(v, _const_vec(_I8, 64, 4)), 16 + 4 * k)]
-                for j, h in enumerate(hv):  # bit 4 + j of the low nibbles' elements is bit k of h, the high's 4 + k
-                    parts = [(builder.or_(parts[0][0], move_bit(builder, h, k, 4 + j, _I8, 64)), parts[0][1]),
-                             (builder.or_(parts[1][0], move_bit(builder, h, 4 + k, 4 + j, _I8, 64)), parts[1][1])]
-                for half, (u, col) in enumerate(parts):
-                    for p in range(P):
-                        sums = isum[p][(half if len(parts) == 2 else k) % chains]
-                        for t in range(tt):
-                            sums[t] = _ir_dpbusd(builder, sums[t], u, x4(t, col, p), isa)
+                    return [(v, 4 * k)]
+                ps = [builder.and_(v, _const_vec(_I8, 64, 15)), builder.lshr(v, _const_vec(_I8, 64, 4))]
+                for j in range(bits):  # bit 4 + j of the low nibbles' elements is bit k of h, the high's 4 + k
+                    h = _ir_load(builder, pp, builder.add(ob, c(64 * (groups + j))), v64b, 1)
+                    ps = [builder.or_(ps[i], move_bit(builder, h, 4 * i + k, 4 + j, _I8, 64)) for i in range(2)]
+                return [(ps[0], 4 * k), (ps[1], 16 + 4 * k)]
+
             dw, mw = scales(builder, pp, builder.add(ob, c(64 * (groups + bits))), layout, has_m)
+            # the integer sums: one a half (Q6_K), else one a block, in two chains in a tile of
+            # one row of int8, whose one chain would wait on each dot's latency (a tile of 4
+            # rows, or int24's planes, have independent chains already)
+            nsum = 2 if halves or (tt == 1 and P == 1) else 1
+            isum = [[[ir.Constant(v16i, [0] * 16)] * tt for _ in range(nsum)] for _ in range(P)]
+            for k in range(groups):
+                for half, (u, col) in enumerate(parts(k)):
+                    j = (half if groups == 4 else k) % nsum
+                    for p in range(P):
+                        for t in range(tt):
+                            isum[p][j][t] = _ir_dpbusd(builder, isum[p][j][t], u, x4(t, col, p), isa)
             for t in range(tt):
                 at = builder.add(brow[t], b)
-                planes = []  # per plane: the block's (or each half's) sums as float32
+                # per plane: the sums' integers with the bias taken off, and the x sums they use
+                xis = []
                 for p in range(P):
                     ai = builder.add(irow[p][t], b)
-                    xi = [_ir_load(builder, ip, builder.add(builder.add(ai, ai), c(j)), _I32, 4) for j in range(2)]
-                    sums = [chain[t] for chain in isum[p]]
-                    if not halves:  # one sum a block: the chains' (integers: exact in any order)
-                        xi, sums = ([builder.add(xi[0], xi[1])],
-                                    [sums[0] if chains == 1 else builder.add(sums[0], sums[1])])
-                    if bias:
-                        sums = [builder.sub(s, _ir_splat(builder, builder.mul(i, ir.Constant(_I32, bias)), 16))
-                                for s, i in zip(sums, xi)]
-                    planes.append([builder.sitofp(s, v16f) for s in sums])
-                fs = planes[0]
-                if P == 3:  # int24: 65536 f1 + (256 f2 + f3), 256 f2 exact
+                    xi = [_ir_load(builder, ip, builder.add(builder.add(ai, ai), c(h)), _I32, 4) for h in range(2)]
+                    xis.append(xi if halves else [builder.add(xi[0], xi[1])])
+                sums = [[isum[p][j][t] for j in range(2)] if halves else
+                        [isum[p][0][t] if nsum == 1 else builder.add(isum[p][0][t], isum[p][1][t])]
+                        for p in range(P)]
+                if P == 3:  # int24: planes 2 and 3 as one integer, 256 s2 + s3 (below 2^29)
+                    sh = _const_vec(_I32, 16, 8)
+                    sums = [sums[0], [builder.add(builder.shl(s2, sh), s3) for s2, s3 in zip(sums[1], sums[2])]]
+                    xis = [xis[0], [builder.add(builder.shl(x2, ir.Constant(_I32, 8)), x3)
+                                    for x2, x3 in zip(xis[1], xis[2])]]
+                if bias:
+                    sums = [[builder.sub(s, _ir_splat(builder, builder.mul(x, ir.Constant(_I32, bias)), 16))
+                             for s, x in zip(ss, xx)] for ss, xx in zip(sums, xis)]
+                fs = [builder.sitofp(s, v16f) for s in sums[0]]
+                if P == 3:  # 65536 f1 + float(256 s2 + s3)
                     fs = [_ir_call(builder, "llvm.fma.v16f32", v16f,
-                                   [f1, _const_vec(_F32T, 16, 65536.0),
-                                    builder.fadd(builder.fmul(f2, _const_vec(_F32T, 16, 256.0)), f3)])
-                          for f1, f2, f3 in zip(*planes)]
+                                   [f1, _const_vec(_F32T, 16, 65536.0), builder.sitofp(s23, v16f)])
+                          for f1, s23 in zip(fs, sums[1])]
                 a = builder.load(acc[t])
                 dx = _ir_splat(builder, _ir_load(builder, dp, at, _F32T, 4), 16)
                 for j, f in enumerate(fs):
