@@ -199,3 +199,52 @@ def test_float16_storage():
     other = c16.fork()
     assert other.dtype == np.float16 and not np.shares_memory(other.buffers(), c16.buffers())
     np.testing.assert_array_equal(other.get(0)[0], c16.get(0)[0])
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def test_a_freed_cache_buffer_serves_the_next_cache_of_its_shape():
+    rng = np.random.default_rng(5)
+    c = KVCache(3, KVH, 16, capacity=64)
+    fill(c, *rows(rng, 40, d=16))
+    old = _address(c.buffers())
+    del c
+    c = KVCache(3, KVH, 16, capacity=64)
+    assert _address(c.buffers()) == old and (c.length, c.capacity) == (0, 64)
+    k, v = rows(rng, 5, d=16)
+    fill(c, k, v)  # the old values beyond length are never read
+    np.testing.assert_array_equal(c.get(2)[0], k)
+    other = KVCache(3, KVH, 16, capacity=32)  # another shape: its own memory
+    assert not np.shares_memory(other.buffers(), c.buffers())
+
+
+def test_an_outgrown_buffer_serves_a_later_cache_but_never_the_live_one():
+    rng = np.random.default_rng(6)
+    c = KVCache(2, KVH, 24, capacity=8)
+    fill(c, *rows(rng, 8, d=24))
+    small = _address(c.buffers())
+    fill(c, *rows(rng, 1, d=24))  # grows to 16: the 8-position buffer is kept aside
+    assert c.capacity == 16 and _address(c.buffers()) != small
+    f = c.fork()  # the same capacity: fresh memory, not c's
+    assert not np.shares_memory(f.buffers(), c.buffers())
+    assert _address(KVCache(2, KVH, 24, capacity=8).buffers()) == small
+
+
+def test_a_buffer_with_a_view_held_is_never_reused():
+    rng = np.random.default_rng(7)
+    c = KVCache(2, KVH, 40, capacity=16)
+    k, v = rows(rng, 10, d=40)
+    fill(c, k, v)
+    keys = c.get(1)[0]  # a user's zero-copy view outlives the cache
+    del c
+    c = KVCache(2, KVH, 40, capacity=16)
+    fill(c, *rows(rng, 16, d=40))
+    assert not np.shares_memory(keys, c.buffers())
+    np.testing.assert_array_equal(keys, k)
+    grown = KVCache(2, KVH, 40, capacity=4)
+    fill(grown, k[:4], v[:4])
+    view = grown.buffer(0)
+    fill(grown, k[4:], v[4:])  # outgrown while viewed: not kept
+    assert not np.shares_memory(view, KVCache(2, KVH, 40, capacity=4).buffers())

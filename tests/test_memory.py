@@ -79,3 +79,27 @@ def test_zeros_do_not_ask_for_huge_pages_as_numpy_does():
     assert "hg" not in _vm_flags(memory.zeros((n,), np.uint8))
     pool = KVPool(30, 3, 64, n_pages=64)  # 11 MiB
     assert "hg" not in _vm_flags(pool.slots())
+
+
+def test_spares_keep_the_newest_arrays_within_the_limit():
+    s = memory.Spares(1000)
+    a, b, c = np.empty(100, np.float32), np.empty(100, np.float32), np.empty(60, np.float32)
+    s.put(a)
+    s.put(b)
+    s.put(c)  # 400 + 400 + 240 bytes: over the limit, so the oldest (a) goes
+    assert s.nbytes == 640
+    s.put(np.empty(251, np.float32))  # more than the limit alone: not kept
+    s.put(np.empty(0, np.float32))    # nothing to keep
+    assert s.nbytes == 640
+    assert s.take((100,), np.float16) is None  # the shape and the dtype must both match
+    assert s.take((100,), np.float32) is b and s.take((100,), np.float32) is None
+    assert s.take((60,), "float32") is c and s.nbytes == 0
+
+
+def test_spares_put_never_waits_for_the_lock():
+    """put runs in a finalizer, maybe while its own thread holds the lock in take: it drops the
+    array instead of waiting."""
+    s = memory.Spares(1000)
+    with s._lock:
+        s.put(np.empty(10, np.float32))
+    assert s.nbytes == 0

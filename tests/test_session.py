@@ -175,3 +175,28 @@ def test_long_prompt_allocates_the_cache_once(model, monkeypatch):
     assert sizes == [0, 32]  # the empty cache, then one buffer for the 23 tokens (no doubling per chunk)
     s.feed([2] * 9)          # room left: nothing allocated
     assert sizes == [0, 32] and s.cache.capacity == 32
+
+
+@pytest.mark.parametrize("activations", ["f32", "int8"])
+def test_a_dropped_session_frees_its_cache_at_once_for_the_next(tiny_model_path, activations):
+    """No cycle holds a session's cache after a prefill and a decode step: it goes when the
+    session does, without the collector, and the next session of the same length takes its
+    buffer (first writes into fresh memory are slow)."""
+    import gc
+    import weakref
+    m = npllama.Model(tiny_model_path, threads=2, activations=activations)
+    ids = list(range(3, 40))
+    s = m.session()
+    first = s.feed(ids)
+    s.feed([int(np.argmax(first))])
+    gone, where = weakref.ref(s.cache), s.cache.buffers().__array_interface__["data"][0]
+    gc.disable()
+    try:
+        del s
+        assert gone() is None
+        s = m.session()
+        np.testing.assert_array_equal(s.feed(ids), first)
+        s.feed([int(np.argmax(first))])
+        assert s.cache.buffers().__array_interface__["data"][0] == where
+    finally:
+        gc.enable()

@@ -21,14 +21,35 @@ built with capacity 0 goes 0 -> 1 -> 2 -> 4 ...), and the filled rows are copied
 the new array. Appends write only the new rows, in place. A capacity that does not fit in the
 memory available is refused before it is allocated (`memory.check_fits`); growth asks
 for just the positions needed when doubling would not fit.
+
+A buffer that a cache outgrows, or leaves behind when it is freed, is kept for the next cache
+of the same shape (`memory.Spares`, 64 MiB in all), unless a view of it is still held: first
+writes into fresh memory are slow (memory.py). A new cache's buffer, like np.empty's, holds
+old values beyond `length`, which nothing reads.
 """
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 
 from . import memory
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+_SPARES = memory.Spares(64 << 20)
+
+
+class _Probe:
+    """sys.getrefcount of a buffer that only its owner's attribute references (`_unshared`)."""
+
+    def __init__(self):
+        self._buf = np.empty(0)
+
+    def refs(self) -> int:
+        return sys.getrefcount(self._buf)
+
+
+_UNSHARED_REFS = _Probe().refs()
 
 
 def _is_index(value, low: int, high: int | None = None) -> bool:
@@ -77,10 +98,22 @@ class KVCache:
         return self.n_layers * capacity * self.n_kv_heads * 2 * self.head_dim * self.dtype.itemsize
 
     def _alloc(self, capacity: int) -> np.ndarray:
+        shape = (self.n_layers, capacity, self.n_kv_heads, 2, self.head_dim)
+        spare = _SPARES.take(shape, self.dtype)
+        if spare is not None:
+            return spare
         memory.check_fits(self._nbytes(capacity), f"a {self.dtype} KV cache of {capacity} positions ({self.n_layers} "
                    f"layers x {self.n_kv_heads} KV heads x {self.head_dim})",
                    "use a shorter context" + (", or a float16 KV cache" if self.dtype == np.float32 else ""))
-        return np.empty((self.n_layers, capacity, self.n_kv_heads, 2, self.head_dim), dtype=self.dtype)
+        return np.empty(shape, dtype=self.dtype)
+
+    def _unshared(self) -> bool:
+        """Whether nothing but this cache references its buffer (no view of it is held)."""
+        return sys.getrefcount(self._buf) == _UNSHARED_REFS
+
+    def __del__(self):
+        if "_buf" in self.__dict__ and self._unshared():
+            _SPARES.put(self._buf)
 
     @property
     def capacity(self) -> int:
@@ -128,6 +161,8 @@ class KVCache:
         new = self._alloc(new_cap)
         for layer, filled in enumerate(self._lens):
             new[layer, :filled] = self._buf[layer, :filled]
+        if self._unshared():
+            _SPARES.put(self._buf)
         self._buf = new
         self._capacity = new_cap
 

@@ -23,10 +23,16 @@ from ..kernels.nn import _rope, glu, rmsnorm
 
 class Ops:
     """The prefill path's pieces: `product(W, h)` is the caller's (h @ W.T), `attention(li,
-    q, k, v, window)` stores layer li's new keys and values and returns the output (S, H, D)."""
+    q, k, v, window)` stores layer li's new keys and values and returns the output (S, H, D).
+    A subclass may define either as a method instead (pass None): an Ops that held its own
+    bound method would live in a cycle, and hold its cache, until the collector ran."""
 
-    def __init__(self, cfg, product, attention):
-        self.cfg, self.product, self.attention = cfg, product, attention
+    def __init__(self, cfg, product=None, attention=None):
+        self.cfg = cfg
+        if product is not None:
+            self.product = product
+        if attention is not None:
+            self.attention = attention
 
     def norm(self, x, w):
         return rmsnorm(x, w, self.cfg.rms_eps)

@@ -42,9 +42,12 @@ class RowOps(block.Ops):
     """The exact prefill's pieces (the module's docstring)."""
 
     def __init__(self, cfg, attention):
-        super().__init__(cfg, _product_rows, attention)
+        super().__init__(cfg, attention=attention)
         self.eps = np.float32(cfg.rms_eps)
         self.act = ACTS[cfg.act]
+
+    def product(self, w, h):
+        return _product_rows(w, h)
 
     def norm(self, x, w):
         x2 = x.reshape(-1, x.shape[-1])
@@ -76,9 +79,8 @@ class PanelOps(RowOps):
     def __init__(self, model, attention, *, int8: bool):
         super().__init__(model.config, attention)
         self.panels, self.int8 = model.panels, int8
-        self.product = self._product
 
-    def _product(self, w, h):
+    def product(self, w, h):
         pw = self.panels(w)
         if pw is None:
             return _product_rows(w, h)

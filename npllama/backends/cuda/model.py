@@ -151,12 +151,12 @@ class DeviceOps(block.Ops):
     """`block.Ops` on device arrays: products, norms, GLU, RoPE and attention by the kernels."""
 
     def __init__(self, model: "CudaModel", cache: DeviceKVCache, positions):
-        super().__init__(model.config, self._product, self._attention)
+        super().__init__(model.config)
         self.model, self.xp, self.cache = model, model.xp, cache
         self.positions = positions  # on the device
         self.offset = cache.length
 
-    def _product(self, w: QWeight, h):
+    def product(self, w: QWeight, h):
         """h (S, cols) @ W.T on the device."""
         d = self.model.device_weights[w.name]
         xp = self.xp
@@ -174,7 +174,7 @@ class DeviceOps(block.Ops):
         return K.rmsnorm(flat, self.model.device_vector(w), self.cfg.rms_eps, xp.empty_like(flat)).reshape(shape)
 
     def glu(self, gate, up, h):
-        g, u = self._product(gate, h), self._product(up, h)
+        g, u = self.product(gate, h), self.product(up, h)
         return K.glu(g, u, self.xp.empty_like(g), _ACTS[self.cfg.act])
 
     def add(self, x, b):
@@ -183,7 +183,7 @@ class DeviceOps(block.Ops):
     def rope(self, x, positions, cos, sin):
         K.rope(x, self.positions, self.model.device_vector(cos), self.model.device_vector(sin), self.cfg.rope_neox)
 
-    def _attention(self, li, q, k, v, window):
+    def attention(self, li, q, k, v, window):
         xp = self.xp
         self.cache.append(li, k, v)
         q = xp.ascontiguousarray(q)
