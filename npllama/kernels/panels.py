@@ -61,7 +61,8 @@ ones with AVX-VNNI, else portable IR (widening multiplies; `_make_panel_dots(isa
 Njit level (C-contiguous arrays, nothing raises):
 
 * ``_quantize_rows(x, xq, xd, xs, xi)``, ``_quantize_rows_i24``: each row of x (T, n)
-  float32 quantized; ``_quantize_into(x, xr)`` either, by the form of xr.
+  float32 quantized; ``_quantize_into(x, xr)`` either, by the form of xr;
+  ``_quantize_parallel(x, xr)`` the same, the rows shared among the threads.
 * ``xr``, the activation rows as the products take them: ``(xq, xd, xs, xi)``, int8 (xq (T,
   n), xi (T, n // 16)) or int24 (xq (T, 3, n), xi (T, 3, n // 16): the planes).
 * ``_panel_rows(code, pw, p, xr, tmp)``: tmp[t, :] = the 16 products of panel p with every
@@ -78,7 +79,7 @@ import math
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
@@ -351,6 +352,21 @@ def _quantize_into_jit(x, xr):
     return lambda x, xr: _quantize_rows(x, xr[0], xr[1], xr[2], xr[3])
 
 
+@njit(parallel=True, cache=True)
+def _quantize_parallel(x, xr, nt):
+    """`_quantize_into` with the rows shared among `nt` threads (the prefill's and the batched
+    pass's activations; the decode step quantizes its one row in threads of its own)."""
+    T = x.shape[0]
+    for c in prange(nt):
+        lo, hi = c * T // nt, (c + 1) * T // nt
+        _quantize_into(x[lo:hi], (xr[0][lo:hi], xr[1][lo:hi], xr[2][lo:hi], xr[3][lo:hi]))
+
+
+def _quantize(x, xr):
+    """Quantize the rows of x into xr, at least 8 rows a thread (a parallel region takes about 3 us to start)."""
+    _quantize_parallel(x, xr, max(1, min(len(x) // 8, get_num_threads())))
+
+
 def quantize_rows_i24(x) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(xq, xd, xs, xi) of `_quantize_rows_i24` for x of shape (T, n), n a multiple of 32."""
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -360,7 +376,7 @@ def quantize_rows_i24(x) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray
     xq = np.empty((T, 3, n), np.int8)
     xd, xs = np.empty((T, n // 32), np.float32), np.empty((T, n // 32), np.float32)
     xi = np.empty((T, 3, n // 16), np.int32)
-    _quantize_rows_i24(x, xq, xd, xs, xi)
+    _quantize(x, (xq, xd, xs, xi))
     return xq, xd, xs, xi
 
 
@@ -373,7 +389,7 @@ def quantize_rows(x) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     xq = np.empty((T, n), np.int8)
     xd, xs = np.empty((T, n // 32), np.float32), np.empty((T, n // 32), np.float32)
     xi = np.empty((T, n // 16), np.int32)
-    _quantize_rows(x, xq, xd, xs, xi)
+    _quantize(x, (xq, xd, xs, xi))
     return xq, xd, xs, xi
 
 
