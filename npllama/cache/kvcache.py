@@ -22,10 +22,10 @@ the new array. Appends write only the new rows, in place. A capacity that does n
 memory available is refused before it is allocated (`memory.check_fits`); growth asks
 for just the positions needed when doubling would not fit.
 
-A buffer that a cache outgrows, or leaves behind when it is freed, is kept for the next cache
-of the same shape (`memory.Spares`, 64 MiB in all), unless a view of it is still held: first
-writes into fresh memory are slow (memory.py). A new cache's buffer, like np.empty's, holds
-old values beyond `length`, which nothing reads.
+The buffer a cache leaves behind when it is freed is kept for the next cache of the same shape
+(`memory.Spares`, 64 MiB in all), unless a view of it is still held: first writes into fresh
+memory are slow (memory.py). One it outgrows is not (it would add to a long session's peak).
+A new cache's buffer, like np.empty's, holds old values beyond `length`, which nothing reads.
 """
 from __future__ import annotations
 
@@ -161,8 +161,6 @@ class KVCache:
         new = self._alloc(new_cap)
         for layer, filled in enumerate(self._lens):
             new[layer, :filled] = self._buf[layer, :filled]
-        if self._unshared():
-            _SPARES.put(self._buf)
         self._buf = new
         self._capacity = new_cap
 

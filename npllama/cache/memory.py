@@ -21,9 +21,9 @@ ones elsewhere. The KV pool takes it; a session's KV cache keeps NumPy's huge pa
 reads at a long context's depth measured faster.
 
 Those first writes cost a new session's cache 30 ms for a 128-token prompt of the default model
-(against 1.3 ms into memory written before), and as much again when it grows at the first
-decoded token. So the buffers of caches that are gone are kept, up to 64 MiB in all, for the
-next cache of the same shape (`Spares`), as llama.cpp keeps its context's cache across prompts.
+(against 1.3 ms into memory written before). So the buffers of caches that are gone are kept,
+up to 64 MiB in all, for the next cache of the same shape (`Spares`), as llama.cpp keeps its
+context's cache from one prompt to the next.
 """
 from __future__ import annotations
 

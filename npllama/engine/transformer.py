@@ -254,8 +254,11 @@ class Transformer:
         with using_threads(threads):
             try:
                 # room for the whole prompt at once: growing chunk by chunk would copy the
-                # filled cache at each doubling and hold the old and the new buffer together
-                cache.ensure_capacity(pos + len(ids))
+                # filled cache at each doubling and hold the old and the new buffer together;
+                # and for the token a prompt is for, which would else grow it at once
+                end = pos + len(ids)
+                cache.ensure_capacity(end + 1 if output == "logits" and not all_logits and end < self.config.n_ctx
+                                      else end)
                 if output == "logits" and not all_logits and not self.config.n_expert:
                     # a prompt for its next token: tokens are decoded next, and the decode
                     # step is loaded now, before the prompt fills the cache
