@@ -443,10 +443,14 @@ def _make_panel_dots(isa: str):
             return builder.fmul(f16(0), byte(64, False)), builder.fneg(builder.fmul(f16(32), byte(80, False)))
         return f16(0), (f16(32) if has_m else None)
 
-    def move_bit(builder, h, frm, to, ty, lanes):  # bit `frm` of each lane of h at bit `to`, the rest 0
-        v = (builder.lshr(h, _const_vec(ty, lanes, frm - to)) if frm > to else
-             builder.shl(h, _const_vec(ty, lanes, to - frm)) if frm < to else h)
-        return builder.and_(v, _const_vec(ty, lanes, 1 << to))
+    def move_bit(builder, h, frm, to):  # bit `frm` of each byte of h (<64 x i8>) at bit `to`, the rest 0
+        # shifted as 32-bit lanes: the mask keeps of each byte only a bit that came from the
+        # same byte, and x86 has no byte shifts (LLVM made them GF2P8AFFINEQB, which Zen 4
+        # issues at half the rate of a dword shift)
+        w = builder.bitcast(h, v16i)
+        w = (builder.lshr(w, _const_vec(_I32, 16, frm - to)) if frm > to else
+             builder.shl(w, _const_vec(_I32, 16, to - frm)) if frm < to else w)
+        return builder.and_(builder.bitcast(w, v64b), _const_vec(_I8, 64, 1 << to))
 
     def tile(builder, kind, arrays, t0, tt, P):  # tmp[t0 + t, :] for t < tt, int8 (P 1) or int24 (P 3) x
         _, _, groups, pbs, bias, has_m, layout, bits, halves = _KINDS[kind]
@@ -476,7 +480,7 @@ def _make_panel_dots(isa: str):
                 ps = [builder.and_(v, _const_vec(_I8, 64, 15)), builder.lshr(v, _const_vec(_I8, 64, 4))]
                 for j in range(bits):  # bit 4 + j of the low nibbles' elements is bit k of h, the high's 4 + k
                     h = _ir_load(builder, pp, builder.add(ob, c(64 * (groups + j))), v64b, 1)
-                    ps = [builder.or_(ps[i], move_bit(builder, h, 4 * i + k, 4 + j, _I8, 64)) for i in range(2)]
+                    ps = [builder.or_(ps[i], move_bit(builder, h, 4 * i + k, 4 + j)) for i in range(2)]
                 return [(ps[0], 4 * k), (ps[1], 16 + 4 * k)]
 
             dw, mw = scales(builder, pp, builder.add(ob, c(64 * (groups + bits))), layout, has_m)
@@ -493,7 +497,8 @@ def _make_panel_dots(isa: str):
                             isum[p][j][t] = _ir_dpbusd(builder, isum[p][j][t], u, x4(t, col, p), isa)
             for t in range(tt):
                 at = builder.add(brow[t], b)
-                # per plane: the sums' integers with the bias taken off, and the x sums they use
+                # per plane: the block's (or each half's) integer sums, and the sums of x that
+                # take their bias off
                 xis = []
                 for p in range(P):
                     ai = builder.add(irow[p][t], b)
