@@ -14,7 +14,7 @@ position p sees exactly positions 0..p of sequence b. (`batch_mask` shows the pa
 alternative, for callers of `attention.attend`.)
 
 Products: the packed activations go through the panel kernels (engine/ops.py: PanelOps, with
-int24 or int8 activations; RowOps for weights without panels), which read every
+int24 or int8 activations; the row kernels for weights without panels), which read every
 weight once per pass (q/k/v share one parallel region, gate/up and the GLU another; the
 per-token norms and RoPE run serially). Passes run in chunks of CHUNK_TOKENS packed tokens (a later chunk attends to keys an earlier one wrote),
 which keeps the activations in cache. Weights whose sizes are not whole 32-element blocks

@@ -1,16 +1,15 @@
-"""How the block's pieces are computed for many tokens at once (block.Ops' subclasses).
+"""How the block's pieces are computed for many tokens at once: `PanelOps`, the prefill's
+and the batched pass's (a model whose products all take whole blocks of 32).
 
-`RowOps`: products by the row kernels of kernels/rows.py on the GGUF blocks (one parallel
-region for q/k/v, one for gate/up with the activation, whose output is the FFN's only (T,
-n_ff) array), serial per-token norms and RoPE; for the weights without panels.
-
-`PanelOps`: the prefill's and the batched pass's pieces (a model whose products all take
-whole blocks of 32); as RowOps, but the products of weights with panel kernels (Q4_0, Q4_1,
-Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K: kernels/panels.py) run on the weight's panels, which the
-model packs at first use (`Transformer.panels`), their input rows quantized to int24 blocks
-(the exact mode) or (int8=True) int8 ones, once for q/k/v and once for gate/up. Each token's
-products depend only on its own row, so a token gives the same results in a batch as alone,
-and as in the decode step, which reads the same kernels.
+The products of weights with panel kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K:
+kernels/panels.py) run on the weight's panels, which the model packs at first use
+(`Transformer.panels`), their input rows quantized to int24 blocks (the exact mode) or
+(int8=True) int8 ones, once for q/k/v and once for gate/up. The other weights' products run on
+their GGUF blocks by the row kernels of kernels/rows.py. Either way q/k/v share one parallel
+region and gate/up another with the activation, whose output is the FFN's only (T, n_ff)
+array; norms and RoPE run per token, serially. Each token's products depend only on its own
+row, so a token gives the same results in a batch as alone, and as in the decode step, which
+reads the same kernels.
 """
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ from ..kernels.panels import _gate_up_panels, _matmul_panels, _qkv_panels, activ
 from ..kernels.rows import _gate_up_rows, _matmul_rows, _qkv_rows, _rmsnorm_rows, _rope_rows
 from . import block
 
-__all__ = ["RowOps", "PanelOps", "fits_rows"]
+__all__ = ["PanelOps", "fits_rows"]
 
 
 def fits_rows(cfg) -> bool:
@@ -38,46 +37,14 @@ def _product_rows(w, h):
     return out
 
 
-class RowOps(block.Ops):
-    """The exact prefill's pieces (the module's docstring)."""
-
-    def __init__(self, cfg, attention):
-        super().__init__(cfg, attention=attention)
-        self.eps = np.float32(cfg.rms_eps)
-        self.act = ACTS[cfg.act]
-
-    def product(self, w, h):
-        return _product_rows(w, h)
-
-    def norm(self, x, w):
-        x2 = x.reshape(-1, x.shape[-1])
-        out = np.empty_like(x2)
-        _rmsnorm_rows(x2, w, self.eps, out)
-        return out.reshape(x.shape)
-
-    def qkv(self, L, h):
-        T = h.shape[0]
-        q = np.empty((T, L.wq.rows), np.float32)
-        k = np.empty((T, L.wk.rows), np.float32)
-        v = np.empty((T, L.wv.rows), np.float32)
-        _qkv_rows(int(L.wq.qtype), L.wq.data, int(L.wk.qtype), L.wk.data, int(L.wv.qtype), L.wv.data, h, q, k, v)
-        return q, k, v
-
-    def glu(self, gate, up, h):
-        out = np.empty((h.shape[0], gate.rows), np.float32)
-        _gate_up_rows(int(gate.qtype), gate.data, int(up.qtype), up.data, h, out, self.act)
-        return out
-
-    def rope(self, x, positions, cos, sin):
-        _rope_rows(x, positions, cos, sin, self.cfg.rope_neox)
-
-
-class PanelOps(RowOps):
-    """Products on panels (the module's docstring); `model.panels(w)` gives a weight's panels,
+class PanelOps(block.Ops):
+    """The block's pieces (the module's docstring); `model.panels(w)` gives a weight's panels,
     or None for a weight without them."""
 
     def __init__(self, model, attention, *, int8: bool):
-        super().__init__(model.config, attention)
+        super().__init__(model.config, attention=attention)
+        self.eps = np.float32(model.config.rms_eps)
+        self.act = ACTS[model.config.act]
         self.panels, self.int8 = model.panels, int8
 
     def product(self, w, h):
@@ -89,23 +56,38 @@ class PanelOps(RowOps):
         _matmul_panels(int(w.qtype), pw, w.rows, xr, out)
         return out
 
+    def norm(self, x, w):
+        x2 = x.reshape(-1, x.shape[-1])
+        out = np.empty_like(x2)
+        _rmsnorm_rows(x2, w, self.eps, out)
+        return out.reshape(x.shape)
+
     def qkv(self, L, h):
         pq, pk, pv = ps = [self.panels(w) for w in (L.wq, L.wk, L.wv)]
-        if any(p is None for p in ps):  # RowOps' for none with panels, else one product each
-            return (RowOps.qkv if all(p is None for p in ps) else block.Ops.qkv)(self, L, h)
-        xr = activation_rows(h, self.int8)
+        rows = all(p is None for p in ps)
+        if not rows and any(p is None for p in ps):  # some with panels, some without: one product each
+            return block.Ops.qkv(self, L, h)
         T = h.shape[0]
         q = np.empty((T, L.wq.rows), np.float32)
         k = np.empty((T, L.wk.rows), np.float32)
         v = np.empty((T, L.wv.rows), np.float32)
-        _qkv_panels(int(L.wq.qtype), pq, int(L.wk.qtype), pk, int(L.wv.qtype), pv, xr, q, k, v)
+        if rows:
+            _qkv_rows(int(L.wq.qtype), L.wq.data, int(L.wk.qtype), L.wk.data, int(L.wv.qtype), L.wv.data, h, q, k, v)
+        else:
+            _qkv_panels(int(L.wq.qtype), pq, int(L.wk.qtype), pk, int(L.wv.qtype), pv, activation_rows(h, self.int8),
+                        q, k, v)
         return q, k, v
 
     def glu(self, gate, up, h):
         pg, pu = self.panels(gate), self.panels(up)
-        if pg is None or pu is None:
-            return (RowOps.glu if pg is None and pu is None else block.Ops.glu)(self, gate, up, h)
-        xr = activation_rows(h, self.int8)
+        if (pg is None) != (pu is None):  # one with panels, one without: one product each
+            return block.Ops.glu(self, gate, up, h)
         out = np.empty((h.shape[0], gate.rows), np.float32)
-        _gate_up_panels(int(gate.qtype), pg, int(up.qtype), pu, xr, out, self.act)
+        if pg is None:
+            _gate_up_rows(int(gate.qtype), gate.data, int(up.qtype), up.data, h, out, self.act)
+        else:
+            _gate_up_panels(int(gate.qtype), pg, int(up.qtype), pu, activation_rows(h, self.int8), out, self.act)
         return out
+
+    def rope(self, x, positions, cos, sin):
+        _rope_rows(x, positions, cos, sin, self.cfg.rope_neox)

@@ -1,5 +1,5 @@
 """Products and small kernels over a few to a few hundred activation rows: the prefill's and
-the batched path's for weights without panels (engine/ops.py's RowOps), and `matmul_rows`
+the batched path's for weights without panels (engine/ops.py's PanelOps), and `matmul_rows`
 where a model has products not on whole blocks.
 
 The row kernels read every weight once per call: each parallel task dequantizes _TILE (4)
@@ -10,7 +10,7 @@ _FEW (3) rows, rows of the types with a direct dot (all quantized types but the 
 dotted straight from their blocks by the decode kernels' dots. Measured on 2 cores with
 SmolLM2-135M Q4_1, this beats the tiled-dequant + BLAS path (`quants.matmul`) at every T from 2
 to 512: dequantizing whole weights into memory costs more than the BLAS products gain.
-`RowOps` (engine/ops.py) is the block's pieces computed by these kernels.
+`PanelOps` (engine/ops.py) computes the block's pieces of such weights by these kernels.
 """
 from __future__ import annotations
 
