@@ -67,7 +67,6 @@ class DecodePlan:
         # the products' activations: int8 blocks (int8 mode), else int24 ones (the exact
         # mode: three planes of int8 digits), for the panels' integer dots
         self.int8 = int8
-        self.planes = 1 if int8 else 3
         layers = model.layers
         cfg = model.config
 
@@ -194,7 +193,7 @@ class DecodePlan:
             threads = max(threads, self._scratch_threads)
             chunks = max(_CHUNKS_PER_THREAD * threads, n_chunks, 2 * self._scratch_chunks)
             n_ff = int(self.table[0, 4, 2])  # the gate product's rows
-            n_f32, n_i8 = _private_sizes(cfg.n_embd, cfg.n_head * D, n_ff, KVH, G, D, self.planes)
+            n_f32, n_i8 = _private_sizes(cfg.n_embd, cfg.n_head * D, n_ff, KVH, G, D, 1 if self.int8 else 3)
             self._scratch = (
                 np.empty((cfg.n_layer, int(self.offs[-1])), np.float32),              # res
                 np.empty(cfg.n_layer * chunks * KVH * G, np.float32),                 # part_m
