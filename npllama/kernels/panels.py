@@ -53,6 +53,14 @@ to float32 rounding (about 1e-7 of the output's scale, as a float32 dot), at 3 d
 int8 takes 1: a decode step's products still run at the memory's bandwidth, which float32
 dots of the dequantized weights (8 vector operations per 32 weights) do not reach.
 
+Each tile of activation rows reads the whole panel: the first tile from memory, the others
+from the caches. With few rows (a batched decode pass's 16: four tiles) the first tile waited
+on memory, which the hardware prefetcher alone did not hide. So the tiles of the first
+`_PREFETCH_ROWS` rows ask for the next panel's bytes as they read their own, the requests
+spread over those four tiles (one tile's requests alone did not help; every tile's at 128 rows
+did no better). A tile of one row (the decode step's) asks for nothing: its products already
+run at the memory's bandwidth.
+
 The integer sums are exact, and every activation row's float operations are the same whatever
 the tile size, so a row's products do not depend on the other rows beside it (batched passes
 equal single runs bit for bit). The dot is vpdpbusd where the CPU has AVX512-VNNI, two 256-bit
@@ -85,7 +93,7 @@ from numba.extending import intrinsic, overload
 
 from .nn import _glu1
 from .quants import (_F32T, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q4_K, _Q5_0, _Q5_1, _Q5_K, _Q6_K, _Q8_0, _const_vec,
-                     _ir_call, _ir_load, _ir_splat, _is_c_array, _shuffle, _vec)
+                     _ir_call, _ir_i32, _ir_load, _ir_splat, _is_c_array, _shuffle, _vec)
 from .quants_int8 import DOT_ISA, _ir_f16_vec, _quantize_x_q8
 
 __all__ = ["PANEL", "has_panels", "panel_shape", "pack_panels", "quantize_rows", "quantize_rows_i24", "activation_rows",
@@ -96,6 +104,7 @@ PANEL = 16  # weight rows per panel: the int32 lanes of a 512-bit vector
 # faster in a tile of 4; int24 prefill products (128 rows) ran as fast in tiles of 2 or 3 as
 # in tiles of 4.
 _TT = (4, 1)
+_PREFETCH_ROWS = 16  # the tiles of activation rows below this prefetch the next panel (the docstring)
 
 # kind: (GGUF block bytes, offset of its quants, 4-byte groups per block, panel block bytes, bias,
 #        has m, the panel's scales ("f16": d, then m where it has them; "k": d, dmin, then sc
@@ -454,7 +463,7 @@ def _make_panel_dots(isa: str):
 
     def tile(builder, kind, arrays, t0, tt, P):  # tmp[t0 + t, :] for t < tt, int8 (P 1) or int24 (P 3) x
         _, _, groups, pbs, bias, has_m, layout, bits, halves = _KINDS[kind]
-        pp, qp, dp, sp, ip, tmp, n = arrays
+        pp, qp, dp, sp, ip, tmp, n, panel_bytes = arrays
         nb = builder.sdiv(n, ir.Constant(n.type, 32))
         c = lambda v: ir.Constant(n.type, v)  # noqa: E731
         rows = [builder.add(t0, c(t)) for t in range(tt)]
@@ -464,10 +473,17 @@ def _make_panel_dots(isa: str):
         brow = [builder.mul(r, nb) for r in rows]
         irow = [[builder.mul(builder.add(builder.mul(r, c(P)), c(p)), nb) for r in rows] for p in range(P)]
         acc = [cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for _ in range(tt)]
+        # whether this tile prefetches the next panel (the docstring); the decode step's one-row tiles never do
+        ahead = builder.icmp_signed("<", t0, c(_PREFETCH_ROWS)) if tt > 1 else None
         with cgutils.for_range(builder, nb) as loop:
             b = loop.index
             ob = builder.mul(b, c(pbs))
             xo = builder.mul(b, c(32))
+            if ahead is not None:  # the next panel's block b (a hint, harmless past the last panel)
+                with builder.if_then(ahead):
+                    for line in range(0, pbs, 64):
+                        at = builder.gep(pp, [builder.add(builder.add(ob, c(line)), panel_bytes)])
+                        _ir_call(builder, "llvm.prefetch.p0i8", ir.VoidType(), [at, _ir_i32(0), _ir_i32(3), _ir_i32(1)])
 
             def x4(t, col, p):  # the 4 bytes of plane p of row t's x from column 32 b + col, in every lane
                 w = _ir_load(builder, xrow[p][t], builder.add(xo, c(col)), _I32, 1)
@@ -543,7 +559,7 @@ def _make_panel_dots(isa: str):
         P = 1 if nd == 2 else 3  # int8: (T, n) values; int24: (T, 3, n), three planes
         n = builder.extract_value(arrs[1].shape, nd - 1)
         T = builder.extract_value(arrs[1].shape, 0)
-        arrays = [a.data for a in arrs] + [n]
+        arrays = [a.data for a in arrs] + [n, builder.extract_value(arrs[0].shape, 0)]
         c = lambda v: ir.Constant(T.type, v)  # noqa: E731
         for qt, kind in _CODES.items():
             with builder.if_then(builder.icmp_signed("==", code, ir.Constant(code.type, qt))):
