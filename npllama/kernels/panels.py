@@ -135,91 +135,103 @@ def has_panels(qtype) -> bool:
 # Packing
 # ---------------------------------------------------------------------------------------
 
+@njit(inline="always")
+def _word(row, i):
+    """The 4 bytes at uint16 index i of `row` (uint16), as one little-endian integer."""
+    return np.int64(row[i]) | np.int64(row[i + 1]) << 16
+
+
+@njit(inline="always")
+def _spread(nib):
+    """Bit i of the 4-bit `nib` as bit 0 of byte i (the four shifted copies do not overlap)."""
+    return (nib * 0x00204081) & 0x01010101
+
+
+@njit(inline="always")
+def _bit_word(row, at, j):
+    """The panel's high-bit bytes i = 0..3 of 32 elements whose bits j are bit j of the bytes
+    at uint16 index `at` of `row`: bit k of byte i from element 4k+i, bit 4+k from 16+4k+i."""
+    v = 0
+    for k in range(4):
+        v |= ((_word(row, at + 2 * k) >> j) & 0x01010101) << k
+        v |= ((_word(row, at + 8 + 2 * k) >> j) & 0x01010101) << (4 + k)
+    return v
+
+
 @njit(parallel=True, cache=True)
-def _pack(src, dst, size, qoff, groups, pbs, has_m, flip, five):
-    """Panels of the GGUF rows `src` (rows, nb * size) into `dst` (n_panels, nb * pbs), zeroed."""
+def _pack(src, dst, dst16, size, qoff, groups, pbs, has_m, flip, five):
+    """Panels of the GGUF rows `src` (rows, nb * size / 2) uint16 into `dst` (n_panels,
+    nb * pbs / 4) uint32 and its uint16 view `dst16`, zeroed, four bytes at a time."""
     rows = src.shape[0]
-    nb = src.shape[1] // size
+    h, w = size // 2, pbs // 4  # a GGUF block's uint16, a panel block's uint32
+    nb = src.shape[1] // h
     for p in prange(dst.shape[0]):
         for r in range(min(PANEL, rows - p * PANEL)):
             row = src[p * PANEL + r]
             for b in range(nb):
-                o = b * size
-                ob = b * pbs
+                q = b * h + qoff // 2
+                ob = b * w
                 for k in range(groups):
-                    for i in range(4):
-                        dst[p, ob + 64 * k + 4 * r + i] = row[o + qoff + 4 * k + i] ^ flip
-                od = ob + 64 * groups
+                    dst[p, ob + 16 * k + r] = _word(row, q + 2 * k) ^ flip
+                od = ob + 16 * groups
                 if five:  # the fifth bit of element j is bit j of the uint32 before the quants
-                    hb = 0
-                    for i in range(4):
-                        hb |= np.int64(row[o + qoff - 4 + i]) << (8 * i)
-                    for i in range(4):
-                        bits = 0
-                        for k in range(4):
-                            bits |= ((hb >> (4 * k + i)) & 1) << k | ((hb >> (16 + 4 * k + i)) & 1) << (4 + k)
-                        dst[p, od + 4 * r + i] = np.uint8(bits)
-                    od += 64
-                dst[p, od + 2 * r] = row[o]
-                dst[p, od + 2 * r + 1] = row[o + 1]
+                    hb = _word(row, q - 2)
+                    v = 0
+                    for k in range(4):
+                        v |= _spread((hb >> (4 * k)) & 15) << k | _spread((hb >> (16 + 4 * k)) & 15) << (4 + k)
+                    dst[p, od + r] = v
+                    od += 16
+                dst16[p, 2 * od + r] = row[b * h]  # d
                 if has_m:
-                    dst[p, od + 32 + 2 * r] = row[o + 2]
-                    dst[p, od + 32 + 2 * r + 1] = row[o + 3]
+                    dst16[p, 2 * od + 16 + r] = row[b * h + 1]
 
 
 @njit(parallel=True, cache=True)
-def _pack_k(src, dst, size, pbs):
-    """Panels of the K-quant rows `src` (rows, super-blocks * size: Q4_K 144, Q5_K 176, Q6_K
-    210) into `dst`, zeroed: each block of 32 (sub-block) as a Q4_1 (Q4_K) or Q5_1 (Q5_K) panel
-    block with the float16 d and dmin and the block's 6-bit sc and m as bytes, or (Q6_K) its
-    low nibbles, bits 4 and 5, the float16 d and the int8 sc of its two halves."""
+def _pack_k(src, src8, dst, dst16, dst8, size, pbs):
+    """Panels of the K-quant rows `src` (rows, super-blocks * size / 2) uint16 (`src8`: its
+    bytes; size: Q4_K 144, Q5_K 176, Q6_K 210) into `dst` (n_panels, super-blocks * 8 * pbs /
+    4) uint32 (dst16, dst8: its uint16 and byte views), zeroed: each block of 32 (sub-block) as
+    a Q4_1 (Q4_K) or Q5_1 (Q5_K) panel block with the float16 d and dmin and the block's 6-bit
+    sc and m as bytes, or (Q6_K) its low nibbles, bits 4 and 5, the float16 d and the int8 sc
+    of its two halves."""
     rows = src.shape[0]
-    ns = src.shape[1] // size
+    h = size // 2
+    ns = src.shape[1] // h
     bits = (size - 144) // 32   # high bits: Q4_K 0, Q5_K 1, Q6_K 2
     for p in prange(dst.shape[0]):
-        el = np.empty(32, np.uint8)
         for r in range(min(PANEL, rows - p * PANEL)):
-            row = src[p * PANEL + r]
+            row, row8 = src[p * PANEL + r], src8[p * PANEL + r]
             for sb in range(ns):
-                o = sb * size
-                sc = row[o + 4:o + 16]  # Q4_K's and Q5_K's packed 6-bit scales and mins
+                o = sb * h  # the super-block, in uint16
                 for j in range(8):
-                    ob = (sb * 8 + j) * pbs
+                    ob = (sb * 8 + j) * pbs  # the panel block, in bytes
                     if bits < 2:
+                        sc = 2 * o + 4  # Q4_K's and Q5_K's packed 6-bit scales and mins
                         if j < 4:
-                            s, m = sc[j] & 63, sc[j + 4] & 63
+                            s, m = row8[sc + j] & 63, row8[sc + j + 4] & 63
                         else:
-                            s, m = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4), (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4)
+                            s = (row8[sc + j + 4] & 15) | ((row8[sc + j - 4] >> 6) << 4)
+                            m = (row8[sc + j + 4] >> 4) | ((row8[sc + j] >> 6) << 4)
                         at = ob + 256 + 64 * bits
-                        for i in range(2):
-                            dst[p, at + 2 * r + i] = row[o + i]           # d (float16)
-                            dst[p, at + 32 + 2 * r + i] = row[o + 2 + i]  # dmin
-                        dst[p, at + 64 + r] = s
-                        dst[p, at + 80 + r] = m
-                        qs = row[o + 16 + 32 * bits + 32 * (j // 2):]  # nibbles: low for even j
-                        for i in range(32):
-                            el[i] = (qs[i] >> (4 * (j % 2))) & 15
-                            if bits:  # Q5_K's fifth bit: bit j of qh[i]
-                                el[i] |= ((row[o + 16 + i] >> j) & 1) << 4
+                        dst16[p, at // 2 + r] = row[o]            # d (float16)
+                        dst16[p, at // 2 + 16 + r] = row[o + 1]   # dmin
+                        dst8[p, at + 64 + r] = s
+                        dst8[p, at + 80 + r] = m
+                        qs, shift = o + 8 + 16 * bits + 16 * (j // 2), 4 * (j % 2)  # nibbles: low for even j
+                        if bits:  # Q5_K's fifth bit: bit j of qh[i]
+                            dst[p, (ob + 256) // 4 + r] = _bit_word(row, o + 8, j)
                     else:  # Q6_K: half j // 4 of the super-block, its group j % 4 of 32
                         half, g = j // 4, j % 4
-                        ql = row[o + 64 * half + 32 * (g % 2):]
-                        qh = row[o + 128 + 32 * half:]
-                        for i in range(32):
-                            el[i] = ((ql[i] >> (4 * (g // 2))) & 15) | (((qh[i] >> (2 * g)) & 3) << 4)
-                        dst[p, ob + 384 + 2 * r] = row[o + 208]      # d (float16, last in the super-block)
-                        dst[p, ob + 384 + 2 * r + 1] = row[o + 209]
-                        dst[p, ob + 416 + r] = row[o + 192 + 2 * j]  # the int8 sc of the block's halves
-                        dst[p, ob + 432 + r] = row[o + 193 + 2 * j]
-                    for i in range(16):
-                        dst[p, ob + 64 * (i // 4) + 4 * r + i % 4] = el[i] & 15 | (el[16 + i] & 15) << 4
-                    for b in range(bits):  # bit 4 + b of element 4k+i at bit k, of 16+4k+i at bit 4+k
-                        for i in range(4):
-                            v = 0
-                            for k in range(4):
-                                v |= ((el[4 * k + i] >> (4 + b)) & 1) << k
-                                v |= ((el[16 + 4 * k + i] >> (4 + b)) & 1) << (4 + k)
-                            dst[p, ob + 256 + 64 * b + 4 * r + i] = np.uint8(v)
+                        qs, shift = o + 32 * half + 16 * (g % 2), 4 * (g // 2)
+                        for b in range(2):  # bits 4 and 5: bits 2g and 2g + 1 of qh[i]
+                            dst[p, (ob + 256 + 64 * b) // 4 + r] = _bit_word(row, o + 64 + 16 * half, 2 * g + b)
+                        dst16[p, (ob + 384) // 2 + r] = row[o + 104]  # d (float16, last in the super-block)
+                        dst8[p, ob + 416 + r] = row8[2 * o + 192 + 2 * j]  # the int8 sc of the block's halves
+                        dst8[p, ob + 432 + r] = row8[2 * o + 193 + 2 * j]
+                    for k in range(4):  # element i's low 4 bits in the low nibble, 16 + i's in the high
+                        lo = (_word(row, qs + 2 * k) >> shift) & 0x0F0F0F0F
+                        hi = (_word(row, qs + 8 + 2 * k) >> shift) & 0x0F0F0F0F
+                        dst[p, ob // 4 + 16 * k + r] = lo | hi << 4
 
 
 def panel_shape(qtype, rows: int, cols: int) -> tuple[int, int]:
@@ -249,10 +261,11 @@ def pack_panels(data, qtype, out=None) -> np.ndarray:
         out = np.zeros(shape, np.uint8)
     elif out.shape != shape or out.dtype != np.uint8 or not out.flags.c_contiguous:
         raise ValueError(f"out must be a C-contiguous uint8 array of shape {shape}, got {out.dtype} {out.shape}")
+    src, dst, dst16 = data.view(np.uint16), out.view(np.uint32), out.view(np.uint16)  # every size is even
     if k_quant:
-        _pack_k(data, out, size, pbs)
+        _pack_k(src, data, dst, dst16, out, size, pbs)
     else:
-        _pack(data, out, size, qoff, groups, pbs, has_m, np.uint8(128 if kind == "q8_0" else 0), bits == 1)
+        _pack(src, dst, dst16, size, qoff, groups, pbs, has_m, 0x80808080 if kind == "q8_0" else 0, bits == 1)
     return out
 
 
