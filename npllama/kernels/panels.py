@@ -93,7 +93,7 @@ from numba.extending import intrinsic, overload
 
 from .nn import _glu1
 from .quants import (_F32T, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q4_K, _Q5_0, _Q5_1, _Q5_K, _Q6_K, _Q8_0, _const_vec,
-                     _ir_call, _ir_i32, _ir_load, _ir_splat, _is_c_array, _shuffle, _vec)
+                     _ir_call, _ir_load, _ir_prefetch, _ir_splat, _is_c_array, _shuffle, _vec)
 from .quants_int8 import DOT_ISA, _ir_f16_vec, _quantize_x_q8
 
 __all__ = ["PANEL", "has_panels", "panel_shape", "pack_panels", "quantize_rows", "quantize_rows_i24", "activation_rows",
@@ -495,8 +495,7 @@ def _make_panel_dots(isa: str):
             if ahead is not None:  # the next panel's block b (a hint, harmless past the last panel)
                 with builder.if_then(ahead):
                     for line in range(0, pbs, 64):
-                        at = builder.gep(pp, [builder.add(builder.add(ob, c(line)), panel_bytes)])
-                        _ir_call(builder, "llvm.prefetch.p0i8", ir.VoidType(), [at, _ir_i32(0), _ir_i32(3), _ir_i32(1)])
+                        _ir_prefetch(builder, builder.gep(pp, [builder.add(builder.add(ob, c(line)), panel_bytes)]))
 
             def x4(t, col, p):  # the 4 bytes of plane p of row t's x from column 32 b + col, in every lane
                 w = _ir_load(builder, xrow[p][t], builder.add(xo, c(col)), _I32, 1)

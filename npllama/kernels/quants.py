@@ -1007,6 +1007,11 @@ def _deq_row_vec(code, src, dst):
         _deq_row(code, src, dst)
 
 
+def _ir_prefetch(builder, ptr):
+    """llvm.prefetch of the cache line at the i8 pointer ``ptr``: read, highest locality, data."""
+    _ir_call(builder, "llvm.prefetch.p0i8", ir.VoidType(), [ptr, _ir_i32(0), _ir_i32(3), _ir_i32(1)])
+
+
 @intrinsic
 def _prefetch(typingctx, data, i):
     """Ask the CPU to bring the cache line of byte ``i`` of the C-contiguous uint8 array
@@ -1018,8 +1023,7 @@ def _prefetch(typingctx, data, i):
 
     def codegen(context, builder, sig, args):
         base = context.make_array(sig.args[0])(context, builder, args[0]).data
-        at = builder.gep(base, [context.cast(builder, args[1], sig.args[1], types.intp)])
-        _ir_call(builder, "llvm.prefetch.p0i8", ir.VoidType(), [at, _ir_i32(0), _ir_i32(3), _ir_i32(1)])
+        _ir_prefetch(builder, builder.gep(base, [context.cast(builder, args[1], sig.args[1], types.intp)]))
         return context.get_dummy_value()
 
     return types.none(data, i), codegen
