@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from npllama.kernels.f16 import _f32_to_half_soft, _ld, _st, bits
+from npllama.kernels.f16 import _f32_to_half_soft, _ld, _ld_row, _st, bits
 
 
 @njit
@@ -16,6 +16,12 @@ def _store_all(x, out):
 def _load_all(a, out):
     for i in range(a.shape[0]):
         out[i] = _ld(a, i)
+
+
+@njit
+def _load_rows(a, out):
+    for r in range(a.shape[0]):
+        _ld_row(a[r], out[r])
 
 
 @njit
@@ -80,3 +86,26 @@ def test_bits_views_halves_only():
     assert bits(a16).dtype == np.uint16 and np.shares_memory(bits(a16), a16)
     assert bits(a32) is a32
 
+
+
+def _same_floats(got, want):
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    ok = ~np.isnan(want)
+    np.testing.assert_array_equal(got[ok].view(np.uint32), want[ok].view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("n", [1, 7, 16, 17, 64, 100])
+def test_load_row_is_exact(dtype, n):
+    """_ld_row converts whole rows (the vector conversion for float16 rows where the hardware
+    has one, 16 at a time plus the rest): every float16 value, rows of lengths that are and are
+    not multiples of 16, and rows that are strided views (the element by element path)."""
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    a = np.resize(every, (-(-every.size // n), n)).astype(dtype)
+    out = np.full(a.shape, -1.0, np.float32)
+    _load_rows(bits(a), out)
+    _same_floats(out, a.astype(np.float32))
+    strided = a[::3, ::2]
+    out = np.full(strided.shape, -1.0, np.float32)
+    _load_rows(bits(strided), out)
+    _same_floats(out, strided.astype(np.float32))

@@ -42,7 +42,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .f16 import _ld, bits
+from .f16 import _ld, _ld_row, bits
 from .nn import _exp, _ir_exp
 from .quants import _F32T, _IR_FLAGS, _ir_call, _ir_hsum, _ir_load, _ir_splat, _is_c_array, _shuffle, _vec
 
@@ -309,11 +309,8 @@ def _accumulate(q, kv, i0, pos0, g, t0, t1, window, scale, softcap, mask, use_ma
     for b0 in range(t0, t1, _BLOCK):
         n = min(_BLOCK, t1 - b0)
         for j in range(n):
-            krow = kv[b0 + j, g, 0]
-            vrow = kv[b0 + j, g, 1]
-            for d in range(D):
-                kb[j, d] = _ld(krow, d)
-                vb[j, d] = _ld(vrow, d)
+            _ld_row(kv[b0 + j, g, 0], kb[j])
+            _ld_row(kv[b0 + j, g, 1], vb[j])
         for j in range(n, _BLOCK):  # past the block's end: finite, and weighted 0 by _rescale
             for d in range(D):
                 kb[j, d] = 0.0

@@ -8,6 +8,9 @@ reaches a kernel as its raw bits, a uint16 view (`bits`). Kernels access element
 * ``_st(row, d, value)``: row[d] = value, for float32 rows (as is) and uint16 rows (rounded
   to the nearest float16, ties to even, as NumPy's ``astype(np.float16)``: overflow gives
   inf, NaN stays NaN);
+* ``_ld_row(src, dst)``: dst[:] = src as float32 (``_ld`` of every element), for a
+  C-contiguous row src and a float32 row dst as long: 16 halves a vector conversion where the
+  hardware converts them (attention's copies of a block of keys and values);
 
 so one kernel source serves both storage types, compiled once per type. Where the CPU
 converts halves in hardware (x86 F16C, AArch64) each conversion is one instruction that LLVM
@@ -18,9 +21,10 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .quants import _HW_F16, _ir_as_i32, _ir_f16_fast
+from .quants import _F32T, _HW_F16, _ir_as_i32, _ir_f16_fast, _is_c_array, _vec
 
 __all__ = ["bits"]
 
@@ -126,3 +130,42 @@ def _st_overload(row, d, value):
             row[d] = convert(np.float32(value))
         return store_half
     return None
+
+
+@intrinsic
+def _halves_to_f32(typingctx, src, dst):
+    """dst[:] = src converted to float32, src C-contiguous float16 bits (uint16) as long as the
+    C-contiguous float32 dst: 16 at a time in one vector conversion, the rest one by one. LLVM
+    left the loop of `_ld` scalar (a conversion, a load and a store a value)."""
+    if not (_is_c_array(src, types.uint16) and _is_c_array(dst, types.float32)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        sa, da = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args, args))
+        n = builder.extract_value(da.shape, 0)
+        c = lambda v: ir.Constant(n.type, v)  # noqa: E731
+        n16 = builder.mul(builder.udiv(n, c(16)), c(16))
+        for lo, hi, k in ((c(0), n16, 16), (n16, n, 1)):
+            half, single = (_vec(ir.HalfType(), k), _vec(_F32T, k)) if k > 1 else (ir.HalfType(), _F32T)
+            with cgutils.for_range_slice(builder, lo, hi, c(k), inc=True) as (i, _):
+                h = builder.load(builder.bitcast(builder.gep(sa.data, [i]), half.as_pointer()), align=2)
+                builder.store(builder.fpext(h, single), builder.bitcast(builder.gep(da.data, [i]), single.as_pointer()),
+                              align=4)
+        return context.get_dummy_value()
+
+    return types.none(src, dst), codegen
+
+
+def _ld_row(src, dst):  # pragma: no cover - replaced by the overload in compiled code
+    raise NotImplementedError
+
+
+@overload(_ld_row, inline="always")
+def _ld_row_overload(src, dst):
+    if src.dtype == types.uint16 and _HW_F16 and src.layout == "C" and dst.layout == "C":
+        return lambda src, dst: _halves_to_f32(src, dst)
+
+    def copy(src, dst):
+        for d in range(dst.shape[0]):
+            dst[d] = _ld(src, d)
+    return copy

@@ -29,7 +29,7 @@ from numba import njit, prange
 
 from .attention import (_BLOCK, _CHUNK, _FASTMATH, _ROWS, _add_values, _chunk_span, _merge_head, _rescale,
                         _score_block)
-from .f16 import _ld, _st, bits
+from .f16 import _ld_row, _st, bits
 from .quants import _touch_lines
 
 __all__ = ["paged_attend", "plan_blocks", "write_records"]
@@ -101,9 +101,8 @@ def _paged_block(q, kv, table, i0, pos0, g0, scale, window, k0, k1, m, l, acc, s
             p, o = b0 // ps, b0 % ps  # key b0 + j's page and offset, stepped (no division a key)
             for j in range(n):
                 rec = kv[table[p], o, g]  # (2, D) view: read through the page table
-                for d in range(D):
-                    kb[j, d] = _ld(rec[0], d)
-                    vb[j, d] = _ld(rec[1], d)
+                _ld_row(rec[0], kb[j])
+                _ld_row(rec[1], vb[j])
                 o += 1
                 if o == ps:
                     p, o = p + 1, 0
