@@ -44,6 +44,13 @@ def _hard_cases():
     return np.concatenate([h32, ties, near, special, rand])
 
 
+def _same_floats(got, want):
+    """float32 bit equality, except that NaNs only need to be NaNs."""
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    ok = ~np.isnan(want)
+    np.testing.assert_array_equal(got[ok].view(np.uint32), want[ok].view(np.uint32))
+
+
 def _same_halves(got_bits, want):
     """Bit equality, except that NaNs only need to be NaNs."""
     got = got_bits.view(np.float16)
@@ -75,23 +82,13 @@ def test_load_is_exact(dtype):
     a = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(dtype)
     out = np.empty(a.shape, np.float32)
     _load_all(bits(a), out)
-    want = a.astype(np.float32)
-    np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
-    ok = ~np.isnan(want)
-    np.testing.assert_array_equal(out[ok].view(np.uint32), want[ok].view(np.uint32))
+    _same_floats(out, a.astype(np.float32))
 
 
 def test_bits_views_halves_only():
     a16, a32 = np.zeros(4, np.float16), np.zeros(4, np.float32)
     assert bits(a16).dtype == np.uint16 and np.shares_memory(bits(a16), a16)
     assert bits(a32) is a32
-
-
-
-def _same_floats(got, want):
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-    ok = ~np.isnan(want)
-    np.testing.assert_array_equal(got[ok].view(np.uint32), want[ok].view(np.uint32))
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])

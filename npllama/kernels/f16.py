@@ -8,9 +8,9 @@ reaches a kernel as its raw bits, a uint16 view (`bits`). Kernels access element
 * ``_st(row, d, value)``: row[d] = value, for float32 rows (as is) and uint16 rows (rounded
   to the nearest float16, ties to even, as NumPy's ``astype(np.float16)``: overflow gives
   inf, NaN stays NaN);
-* ``_ld_row(src, dst)``: dst[:] = src as float32 (``_ld`` of every element), for a
-  C-contiguous row src and a float32 row dst as long: 16 halves a vector conversion where the
-  hardware converts them (attention's copies of a block of keys and values);
+* ``_ld_row(src, dst)``: dst[:] = src as float32 (``_ld`` of every element), for a row src
+  and a float32 row dst as long: 16 halves a vector conversion where the hardware converts
+  them and both rows are contiguous (attention's copies of a block of keys and values);
 
 so one kernel source serves both storage types, compiled once per type. Where the CPU
 converts halves in hardware (x86 F16C, AArch64) each conversion is one instruction that LLVM
@@ -135,8 +135,9 @@ def _st_overload(row, d, value):
 @intrinsic
 def _halves_to_f32(typingctx, src, dst):
     """dst[:] = src converted to float32, src C-contiguous float16 bits (uint16) as long as the
-    C-contiguous float32 dst: 16 at a time in one vector conversion, the rest one by one. LLVM
-    left the loop of `_ld` scalar (a conversion, a load and a store a value)."""
+    C-contiguous float32 dst: 16 at a time in one vector conversion, the rest one by one. In
+    attention's copies of a key and a value row side by side, LLVM left the loop of `_ld`
+    scalar (a load, a conversion and a store a value)."""
     if not (_is_c_array(src, types.uint16) and _is_c_array(dst, types.float32)):
         return None
 
