@@ -191,6 +191,53 @@ def test_decode_work_items_split_a_product_evenly(units, unit_bytes, nr):
         assert n_items <= nr
 
 
+@pytest.mark.parametrize("sizes", [
+    [(576, 6336), (192, 6336), (192, 9792)],   # SmolLM2 Q4_K_M's q, k (Q5_0) and v (Q8_0)
+    [(96, 320), (32, 320), (32, 320)], [(1, 544), (17, 352), (40, 9792)],
+])
+@pytest.mark.parametrize("n_items", [1, 2, 3, 8, 64])
+def test_decode_qkv_run_splits_by_bytes(sizes, n_items):
+    """_unit_at, which cuts a run of adjacent products (q, k, v) into items of about equal
+    bytes: it maps byte offsets to panel boundaries in order, from 0 to the run's panels, each
+    within half a panel of the offset, so the items cover every panel once."""
+    from npllama.engine.decode import _unit_at
+    entries = np.array([[0, 0, rows, pb, 1] for rows, pb in sizes], np.int64)
+    units = [-(-rows // 16) for rows, _ in sizes]
+    bounds = np.concatenate([[0], np.cumsum([u * pb for u, (_, pb) in zip(units, sizes)])])  # bytes
+    total = int(bounds[-1])
+    cuts = [_unit_at(entries, 3, i * total // n_items) for i in range(n_items + 1)]
+    assert cuts[0] == 0 and cuts[-1] == sum(units) and cuts == sorted(cuts)
+    starts = np.concatenate([[0], np.cumsum(units)])  # each product's first panel
+    for i, u in enumerate(cuts):
+        s = min(int(np.searchsorted(starts, u, side="right")) - 1, 2)
+        at = bounds[s] + (u - starts[s]) * sizes[s][1]  # the byte where panel u starts
+        assert abs(at - i * total // n_items) <= sizes[s][1] // 2 + (sizes[s - 1][1] // 2 if s else 0)
+
+
+@pytest.mark.parametrize("activations", ["f32", "int8"])
+def test_decode_qkv_run_gives_the_products_bits(tmp_path, activations):
+    """q, k and v, adjacent in the panel arena, run as one phase (`_product_run`); with k's
+    panels copied elsewhere they run as three (`_product`). The logits are the same bits."""
+    from npllama.engine.decode import DecodePlan, _adjacent
+    path = write_tiny_llama(tmp_path / "m.gguf", qtype=QT.Q4_1, n_embd=96, n_head=6, n_head_kv=2, n_ff=128)
+    m = npllama.Model(path, activations=activations)
+    n = m.config.n_layer
+    run, apart = DecodePlan(m, int8=activations == "int8"), DecodePlan(m, int8=activations == "int8")
+    table, extra, at = apart.table.copy(), [], apart.panels.size
+    for li in range(n):
+        k = table[li, 1]
+        size = -(-int(k[2]) // 16) * int(k[3])
+        extra.append(apart.panels[k[1]:k[1] + size])
+        table[li, 1, 1], at = at, at + size
+    apart.panels, apart.table = np.concatenate([apart.panels, *extra]), table
+    assert all(_adjacent(run.table[li], 3) for li in range(n))
+    assert not any(_adjacent(apart.table[li], 3) for li in range(n))
+    ids = [(7 * i) % 250 for i in range(40)]
+    caches = m.new_cache(), m.new_cache()
+    for i, t in enumerate(ids):
+        np.testing.assert_array_equal(run.step(t, i, caches[0], 2), apart.step(t, i, caches[1], 2))
+
+
 def test_sessions_decode_from_several_threads(tmp_path):
     """Sessions of one model decoding at once from several Python threads (their steps share
     the plan's working memory, and the parallel region runs without the GIL) get the logits
