@@ -3,7 +3,9 @@ import pytest
 
 from numba import njit
 
-from npllama.kernels.attention import _BLOCK, _add_values, _rescale, _score_block, attend, attend_kv
+from npllama.kernels.attention import (_BLOCK, _add_records, _add_values, _rescale, _score_block, _score_records,
+                                      attend, attend_kv)
+from npllama.kernels.f16 import bits
 from npllama.cache.kvcache import KVCache
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -88,6 +90,59 @@ def test_block_routines_match_numpy(D):
     np.testing.assert_allclose(s, scores, rtol=0, atol=2e-6 * (np.abs(kb) @ np.abs(q)).max())
     values = a0 + pv.astype(np.float64) @ vb.astype(np.float64)
     np.testing.assert_allclose(a, values, rtol=0, atol=2e-6 * (np.abs(a0) + np.abs(pv) @ np.abs(vb)).max())
+
+
+@njit(fastmath=True)
+def _record_routines(q, kv, offs, n, pv, a, s):
+    _score_records(q, kv, offs, s)
+    _add_records(a, pv, kv, offs + q.shape[1], n)
+
+
+@njit(fastmath=True)
+def _scratch_routines(q, kv, offs, n, pv, a, s):
+    """The block routines over the records at offs converted into float32 rows (zeros past n)."""
+    G, D = q.shape
+    kb, vb = np.zeros((_BLOCK, D), np.float32), np.zeros((_BLOCK, D), np.float32)
+    for j in range(n):
+        for d in range(D):
+            kb[j, d] = kv[offs[j] + d]
+            vb[j, d] = kv[offs[j] + D + d]
+    for h in range(G):
+        _score_block(q[h], kb, s[h])
+        _add_values(a[h], pv[h], vb)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("G, D", [(1, 64), (2, 128), (3, 64), (4, 256), (5, 64), (7, 128), (8, 64)])
+@pytest.mark.parametrize("n", [1, 17, 32])
+def test_record_routines_match_numpy_and_the_block_routines(dtype, G, D, n):
+    """`_score_records` and `_add_records` (a lone query's G heads, keys and values read
+    straight from scattered records: heads in groups of four and the rest) against float64
+    NumPy, and bit for bit against `_score_block` and `_add_values` over the same records
+    converted to float32 (the paths a decoding query and a prefill block take); a block of
+    n keys, the rest of its weights 0 and its offsets naming a record of infinities and NaN,
+    which reads as zeros."""
+    rng = np.random.default_rng(G * 1000 + D + n)
+    rec = (rng.standard_normal((41, 2, D)) * rng.choice([1e-3, 1.0, 30.0], (41, 1, 1))).astype(dtype)
+    rec[40] = np.where(np.arange(D) % 2, np.inf, np.nan)
+    offs = rng.permutation(40)[:_BLOCK].astype(np.int64) * 2 * D
+    offs[n:] = 40 * 2 * D
+    q = rng.standard_normal((G, D)).astype(np.float32)
+    pv = rng.random((G, _BLOCK)).astype(np.float32)
+    pv[:, n:] = 0.0
+    pv[:, 0] = 0.0
+    a0 = rng.standard_normal((G, D)).astype(np.float32)
+    s, a = np.full((G, _BLOCK), np.nan, np.float32), a0.copy()
+    _record_routines(q, bits(rec.reshape(-1)), offs, n, pv, a, s)
+    k64, v64 = rec[offs[:n] // (2 * D), 0].astype(np.float64), rec[offs[:n] // (2 * D), 1].astype(np.float64)
+    np.testing.assert_allclose(s[:, :n], q.astype(np.float64) @ k64.T, rtol=0,
+                               atol=2e-6 * (np.abs(q) @ np.abs(k64).T).max())
+    values = a0 + pv[:, :n].astype(np.float64) @ v64
+    np.testing.assert_allclose(a, values, rtol=0, atol=2e-6 * (np.abs(a0) + pv[:, :n] @ np.abs(v64)).max())
+    s2, a2 = np.full((G, _BLOCK), np.nan, np.float32), a0.copy()
+    _scratch_routines(q, rec.reshape(-1).astype(np.float32), offs, n, pv, a2, s2)
+    np.testing.assert_array_equal(s[:, :n].view(np.uint32), s2[:, :n].view(np.uint32))
+    np.testing.assert_array_equal(a.view(np.uint32), a2.view(np.uint32))
 
 
 @pytest.mark.parametrize("R, G, D, n", [(1, 1, 64, 32), (1, 3, 64, 5), (8, 3, 40, 32), (2, 4, 256, 17),

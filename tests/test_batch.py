@@ -252,14 +252,17 @@ def test_paged_attend_equals_attend_on_each_sequence(dtype):
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("window", [0, 600])
 @pytest.mark.parametrize("rows", [9, 64])
-def test_paged_attend_is_attend_bit_for_bit_past_a_chunk(dtype, window, rows):
+@pytest.mark.parametrize("H, KVH, D", [(6, 2, 64), (8, 1, 256), (10, 2, 128), (3, 3, 48)])
+def test_paged_attend_is_attend_bit_for_bit_past_a_chunk(dtype, window, rows, H, KVH, D):
     """Sequences longer than two chunks of keys (attention._CHUNK = 512), a prefill chunk of
     `rows` queries and two decoding tokens: the batched attention gives the session kernels'
     bits (both fold chunks at multiples of 512 and merge them in order), with tasks of one KV
     head (9 rows: 4 query blocks) or of every KV head (64 rows: 10 blocks); and the float64
-    reference's values."""
+    reference's values. A decoding token's heads read the records directly where the head
+    size is a multiple of 64 (in groups of four heads and the rest: 3, 8 and 5 a KV head),
+    else through float32 scratch as a prefill block's do."""
     rng = np.random.default_rng(7)
-    H, KVH, D, ps = 6, 2, 64, 16
+    ps = 16
     lengths, n_new = [1100, 530, 7], [rows, 1, 1]
     pages = [-(-n // ps) for n in lengths]
     kv = random_pool(rng, sum(pages), ps, KVH, D, dtype)

@@ -531,7 +531,9 @@ def test_non_vnni_target_in_subprocess(tmp_path, drop, isa):
     """With NUMBA_CPU_FEATURES lacking VNNI (and AVX2, F16C), the module picks the fallback and
     its cached kernels compile for that target and give the reference results (as do the
     float32 direct dots of Q5_0/Q5_1 and the K-quants, whose mask and byte-vector IR is lowered
-    differently without AVX-512)."""
+    differently without AVX-512). So does paged attention over a float16 pool: a decoding
+    query reads the records directly where F16C converts them, else through float32 scratch,
+    with the session kernels' bits either way."""
     import llvmlite.binding as llvm
     feats = llvm.get_host_cpu_features()
     flat = ",".join(("-" if (not v or any(k.startswith(p) or p in k for p in drop)) else "+") + k
@@ -556,6 +558,13 @@ for qtype in t.INT8_TYPES + t.NEW_TYPES:
         t.assert_int8_close(qi.matmul_int8(data, qtype, x), data, qtype, qs, d, s)
         if qtype in t.NEW_TYPES:  # and the float32 direct dots, compiled for this target too
             assert_close(quants.matmul(data, qtype, x), data, qtype, x)
+from npllama.kernels.attention import attend
+from npllama.kernels.paged_attention import paged_attend
+kv = rng.standard_normal((12, 16, 2, 2, 64)).astype(np.float16)
+tables = rng.permutation(12).astype(np.int32)[None]
+q = rng.standard_normal((1, 6, 64)).astype(np.float32)
+seq = np.ascontiguousarray(kv[tables[0]].reshape(-1, 2, 2, 64))
+assert np.array_equal(paged_attend(q, kv, tables, np.zeros(1, np.int64), np.array([170])), attend(q, seq, 171))
 print("ok", qi.DOT_ISA, quants._HW_F16)
 """
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)

@@ -648,6 +648,7 @@ def _fixed_chunks(ctr, home, nr, slot, pos, lo, q, kv, pages, ps, window, scale,
     s = np.empty((1, G, _BLOCK), np.float32)
     kb = np.empty((_BLOCK, D), np.float32)
     vb = np.empty((_BLOCK, D), np.float32)
+    offs = np.empty(_BLOCK, np.int64)
     done = 0
     while True:
         i = _take(ctr, slot, home, nr, n_chunks * per)
@@ -659,7 +660,7 @@ def _fixed_chunks(ctr, home, nr, slot, pos, lo, q, kv, pages, ps, window, scale,
         l[:] = 0.0
         acc[:] = 0.0
         _paged_block(q1, kv5, pages, 0, pos, g0, scale, window, (c0 + c) * _CHUNK, (c0 + c + 1) * _CHUNK, m, l,
-                     acc, s, kb, vb)
+                     acc, s, kb, vb, offs)
         for gi in range(NG):
             part_m[c, g0 + gi] = m[gi, 0]
             part_l[c, g0 + gi] = l[gi, 0]

@@ -21,7 +21,10 @@ Every path (these kernels, the paged attention of a batched pass, the fused deco
 int8 mode) folds a query's keys in blocks of _BLOCK from multiples of _BLOCK, in chunks of
 _CHUNK keys from multiples of _CHUNK, each chunk from a fresh state, and merges the chunks'
 states in order (`_merge_head`): so a query gets the same bits whatever its task, its
-neighbours or the number of threads, and a batched pass equals a session's steps.
+neighbours or the number of threads, and a batched pass equals a session's steps. A block's
+sums are grouped the same in every path: the paged attention of a decoding query reads its
+keys and values straight from the records (`_score_records`, `_add_records`), where the
+others convert each block into float32 scratch first (`_score_block`, `_add_values`).
 
 Query i sits at absolute position p = offset + i and sees the keys at positions t with
 t <= p (and t > p - window when window > 0), t < kv_len. A key is scored as
@@ -44,7 +47,7 @@ from numba.extending import intrinsic
 
 from .f16 import _ld, _ld_row, bits
 from .nn import _exp, _ir_exp
-from .quants import _F32T, _IR_FLAGS, _ir_call, _ir_hsum, _ir_load, _ir_splat, _is_c_array, _shuffle, _vec
+from .quants import _F32T, _HW_F16, _IR_FLAGS, _ir_call, _ir_hsum, _ir_load, _ir_splat, _is_c_array, _shuffle, _vec
 
 # No 'nnan' / 'ninf': the kernels rely on -inf for removed keys and empty running maxima.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp", "afn"}
@@ -246,6 +249,154 @@ def _add_rows(typingctx, a, pv, vb):
         return context.get_dummy_value()
 
     return types.none(a, pv, vb), codegen
+
+
+# ---------------------------------------------------------------------------------------
+# A block's scores and weighted values read straight from the records of a KV buffer, for
+# a query row's G heads at once (a decoding query: nothing to share a converted block with).
+# Each key or value row is loaded and converted once for a group of up to four heads, where
+# the routines above read a block converted into float32 scratch once per head; the sums are
+# theirs, grouped the same, so either path gives the same bits.
+# ---------------------------------------------------------------------------------------
+
+def _ir_fold_keys(builder, vs):
+    """<n x float> whose lane k is the sum of the lanes of vs[k] (n = 4 or 8 vectors of 16):
+    `_ir_reduce16`'s folds while two vectors remain, then the last one folded on itself. Each
+    key's lanes are added in the same pairs as in `_ir_reduce16` (i with i + 8, then i + 4,
+    i + 2, i + 1), so its sum has the same bits."""
+    width = 8
+    while len(vs) > 1:
+        folded = []
+        for a, b in zip(vs[0::2], vs[1::2]):
+            lo, hi = [], []
+            for src in (0, 16):
+                for r in range(0, 16, 2 * width):
+                    lo += [src + r + i for i in range(width)]
+                    hi += [src + r + width + i for i in range(width)]
+            folded.append(builder.fadd(_shuffle(builder, a, b, lo), _shuffle(builder, a, b, hi), flags=_IR_FLAGS))
+        vs, width = folded, width // 2
+    v, lanes = vs[0], 16
+    while width >= 1:
+        lo = [r + i for r in range(0, lanes, 2 * width) for i in range(width)]
+        v = builder.fadd(_shuffle(builder, v, v, lo), _shuffle(builder, v, v, [i + width for i in lo]), flags=_IR_FLAGS)
+        lanes, width = lanes // 2, width // 2
+    return v
+
+
+def _records_fit(kv):
+    """Whether `_score_records` and `_add_records` read the records of ``kv`` (float32, or
+    float16 bits where the hardware converts halves)."""
+    return kv.dtype == types.float32 or (kv.dtype == types.uint16 and _HW_F16)
+
+
+def _ir_record_row(builder, kv, kv_ty, off, c):
+    """Columns 16c .. 16c + 15 of the row at element ``off`` of the buffer ``kv`` as <16 x
+    float> (float16 bits converted by the hardware)."""
+    at = builder.add(off, builder.mul(c, ir.Constant(c.type, 16)))
+    if kv_ty.dtype == types.float32:
+        return _ir_load(builder, kv.data, at, _V16, 4)
+    ptr = builder.bitcast(builder.gep(kv.data, [at]), _vec(ir.HalfType(), 16).as_pointer())
+    return builder.fpext(builder.load(ptr, align=2), _V16)
+
+
+def _ir_head_groups(builder, G, emit):
+    """emit(h0, n) for the query heads in groups of four from h0 = 0, then the rest (1 to 3)."""
+    c = lambda v: ir.Constant(G.type, v)  # noqa: E731
+    four = builder.mul(builder.udiv(G, c(4)), c(4))
+    with cgutils.for_range_slice(builder, c(0), four, c(4), inc=True) as (h0, _):
+        emit(h0, 4)
+    rest = builder.sub(G, four)
+    for n in (1, 2, 3):
+        with builder.if_then(builder.icmp_unsigned("==", rest, c(n))):
+            emit(four, n)
+
+
+@intrinsic
+def _score_records(typingctx, q, kv, offs, s):
+    """s[h, j] = dot(q[h], kv's row at element offs[j]) for the G query heads q (G, D), D a
+    multiple of 16, and the keys j < _BLOCK (every offs[j] a row of D elements of kv, a
+    C-contiguous float32 buffer or float16 bits): `_score_rows`' sums, four or eight keys at
+    a time for a group of heads (three or fewer: eight keys, 24 accumulators; four: four)."""
+    if not (_is_c_array(q, types.float32, 2) and isinstance(kv, types.Array) and kv.layout == "C"
+            and _records_fit(kv) and _is_c_array(offs, types.int64) and _is_c_array(s, types.float32, 2)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        qa, ka, oa, sa = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args, args))
+        G, D = (builder.extract_value(qa.shape, i) for i in range(2))
+        nb = builder.extract_value(sa.shape, 1)
+        c = lambda v: ir.Constant(D.type, v)  # noqa: E731
+
+        def group(h0, n):
+            keys = 4 if n == 4 else 8
+            with cgutils.for_range_slice(builder, c(0), nb, c(keys), inc=True) as (j0, _):
+                offs_j = [_ir_load(builder, oa.data, builder.add(j0, c(j)), ir.IntType(64), 8) for j in range(keys)]
+                acc = [[cgutils.alloca_once_value(builder, ir.Constant(_V16, [0.0] * 16)) for _ in range(keys)]
+                       for _ in range(n)]
+                with cgutils.for_range(builder, builder.udiv(D, c(16))) as loop:
+                    qs = [_ir_load(builder, qa.data, builder.add(builder.mul(builder.add(h0, c(h)), D),
+                                                                 builder.mul(loop.index, c(16))), _V16, 4)
+                          for h in range(n)]
+                    for j in range(keys):
+                        k = _ir_record_row(builder, ka, sig.args[1], offs_j[j], loop.index)
+                        for h in range(n):
+                            builder.store(_ir_fma16(builder, qs[h], k, builder.load(acc[h][j])), acc[h][j])
+                for h in range(n):
+                    at = builder.add(builder.mul(builder.add(h0, c(h)), nb), j0)
+                    out = builder.bitcast(builder.gep(sa.data, [at]), _vec(_F32T, keys).as_pointer())
+                    builder.store(_ir_fold_keys(builder, [builder.load(a) for a in acc[h]]), out, align=4)
+
+        _ir_head_groups(builder, G, group)
+        return context.get_dummy_value()
+
+    return types.none(q, kv, offs, s), codegen
+
+
+@intrinsic
+def _add_records(typingctx, a, pv, kv, offs, n):
+    """a[h] += sum_j pv[h, j] row_j for the G heads' running outputs a (G, D), D a multiple of
+    64, and their weights pv (G, keys), keys even, over the value rows at elements offs[j] of
+    kv (as `_score_records`); rows j >= n read as zeros (their weights are 0). `_add_rows`'
+    sums: per column, even and odd keys in two chains (the first from a, the second from 0)
+    added at the end; 16 columns at a time for a group of up to four heads."""
+    if not (_is_c_array(a, types.float32, 2) and _is_c_array(pv, types.float32, 2) and isinstance(kv, types.Array)
+            and kv.layout == "C" and _records_fit(kv) and _is_c_array(offs, types.int64)
+            and isinstance(n, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        aa, pa, ka, oa = (context.make_array(t)(context, builder, x) for t, x in zip(sig.args[:4], args[:4]))
+        G, D = (builder.extract_value(aa.shape, i) for i in range(2))
+        nb = builder.extract_value(pa.shape, 1)
+        c = lambda v: ir.Constant(D.type, v)  # noqa: E731
+        n_keys = context.cast(builder, args[4], sig.args[4], types.intp)
+        zero = ir.Constant(_V16, [0.0] * 16)
+
+        def group(h0, nh):
+            rows = [builder.mul(builder.add(h0, c(h)), D) for h in range(nh)]
+            with cgutils.for_range(builder, builder.udiv(D, c(16))) as col:
+                d0 = builder.mul(col.index, c(16))
+                acc = [[cgutils.alloca_once_value(builder, _ir_load(builder, aa.data, builder.add(rows[h], d0), _V16, 4)
+                                                  if e == 0 else zero) for e in range(2)] for h in range(nh)]
+                with cgutils.for_range_slice(builder, c(0), nb, c(2), inc=True) as (j0, _):
+                    for e in range(2):
+                        j = builder.add(j0, c(e))
+                        v = _ir_record_row(builder, ka, sig.args[2], _ir_load(builder, oa.data, j, ir.IntType(64), 8),
+                                           col.index)
+                        v = builder.select(builder.icmp_signed("<", j, n_keys), v, zero)
+                        for h in range(nh):
+                            p = _ir_splat(builder, _ir_load(builder, pa.data, builder.add(builder.mul(builder.add(
+                                h0, c(h)), nb), j), _F32T, 4), 16)
+                            builder.store(_ir_fma16(builder, p, v, builder.load(acc[h][e])), acc[h][e])
+                for h in range(nh):
+                    out = builder.bitcast(builder.gep(aa.data, [builder.add(rows[h], d0)]), _V16.as_pointer())
+                    builder.store(builder.fadd(builder.load(acc[h][0]), builder.load(acc[h][1]), flags=_IR_FLAGS), out,
+                                  align=4)
+
+        _ir_head_groups(builder, G, group)
+        return context.get_dummy_value()
+
+    return types.none(a, pv, kv, offs, n), codegen
 
 
 @njit(fastmath=_FASTMATH, cache=True, inline="always")
