@@ -175,10 +175,13 @@ def _ir_fma16(builder, a, b, c):
     return _ir_call(builder, "llvm.fma.v16f32", _V16, [a, b, c])
 
 
-def _ir_reduce16(builder, vs):
-    """<16 x float> whose lane k is the sum of the lanes of vs[k] (16 vectors): at each level,
-    pairs of vectors whose lanes come in runs of `width` partial sums per key are folded into
-    one with runs half as long (two two-source shuffles and an add), 15 adds in all."""
+def _ir_fold_keys(builder, vs):
+    """<n x float> whose lane k is the sum of the lanes of vs[k] (n = 4, 8 or 16 vectors of 16):
+    at each level, pairs of vectors whose lanes come in runs of `width` partial sums per key
+    are folded into one with runs half as long (two two-source shuffles and an add; 15 adds
+    for 16 keys), and the last vector, while its runs are longer than one, on itself. Each
+    key's lanes are added in the same pairs (i with i + 8, then i + 4, i + 2, i + 1) whatever
+    n, so its sum has the same bits."""
     width = 8
     while len(vs) > 1:
         folded = []
@@ -190,7 +193,12 @@ def _ir_reduce16(builder, vs):
                     hi += [src + r + width + i for i in range(width)]
             folded.append(builder.fadd(_shuffle(builder, a, b, lo), _shuffle(builder, a, b, hi), flags=_IR_FLAGS))
         vs, width = folded, width // 2
-    return vs[0]
+    v, lanes = vs[0], 16
+    while width >= 1:
+        lo = [r + i for r in range(0, lanes, 2 * width) for i in range(width)]
+        v = builder.fadd(_shuffle(builder, v, v, lo), _shuffle(builder, v, v, [i + width for i in lo]), flags=_IR_FLAGS)
+        lanes, width = lanes // 2, width // 2
+    return v
 
 
 @intrinsic
@@ -213,7 +221,7 @@ def _score_rows(typingctx, qv, kb, sv):
                     k = _ir_load(builder, ka.data, builder.add(builder.mul(builder.add(j0, c(j)), D), d0), _V16, 4)
                     builder.store(_ir_fma16(builder, q, k, builder.load(acc[j])), acc[j])
             out = builder.bitcast(builder.gep(sa.data, [j0]), _V16.as_pointer())
-            builder.store(_ir_reduce16(builder, [builder.load(a) for a in acc]), out, align=4)
+            builder.store(_ir_fold_keys(builder, [builder.load(a) for a in acc]), out, align=4)
         return context.get_dummy_value()
 
     return types.none(qv, kb, sv), codegen
@@ -258,30 +266,6 @@ def _add_rows(typingctx, a, pv, vb):
 # the routines above read a block converted into float32 scratch once per head; the sums are
 # theirs, grouped the same, so either path gives the same bits.
 # ---------------------------------------------------------------------------------------
-
-def _ir_fold_keys(builder, vs):
-    """<n x float> whose lane k is the sum of the lanes of vs[k] (n = 4 or 8 vectors of 16):
-    `_ir_reduce16`'s folds while two vectors remain, then the last one folded on itself. Each
-    key's lanes are added in the same pairs as in `_ir_reduce16` (i with i + 8, then i + 4,
-    i + 2, i + 1), so its sum has the same bits."""
-    width = 8
-    while len(vs) > 1:
-        folded = []
-        for a, b in zip(vs[0::2], vs[1::2]):
-            lo, hi = [], []
-            for src in (0, 16):
-                for r in range(0, 16, 2 * width):
-                    lo += [src + r + i for i in range(width)]
-                    hi += [src + r + width + i for i in range(width)]
-            folded.append(builder.fadd(_shuffle(builder, a, b, lo), _shuffle(builder, a, b, hi), flags=_IR_FLAGS))
-        vs, width = folded, width // 2
-    v, lanes = vs[0], 16
-    while width >= 1:
-        lo = [r + i for r in range(0, lanes, 2 * width) for i in range(width)]
-        v = builder.fadd(_shuffle(builder, v, v, lo), _shuffle(builder, v, v, [i + width for i in lo]), flags=_IR_FLAGS)
-        lanes, width = lanes // 2, width // 2
-    return v
-
 
 def _records_fit(kv):
     """Whether `_score_records` and `_add_records` read the records of ``kv`` (float32, or
