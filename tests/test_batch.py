@@ -156,6 +156,51 @@ def test_packed_batch_in_chunks_and_through_blas(model, monkeypatch):
     check_batch_equals_sessions(model, 4)
 
 
+def _with_biases(tmp_path):
+    rng = np.random.default_rng(3)
+    biases = {f"blk.{i}.attn_{x}.bias": (rng.standard_normal(n) * 0.5).astype(np.float32)
+              for i in range(2) for x, n in (("q", 64), ("k", 32), ("v", 32))}
+    return write_tiny_llama(tmp_path / "bias.gguf", qtype=QT.Q4_1, tensor_overrides=biases)
+
+
+def _arch_fixture(name):
+    def make(tmp_path):
+        from pathlib import Path
+        from requant import requantize
+        src = Path(__file__).parent / "fixtures" / "arch" / f"{name}.gguf"
+        return requantize(src, tmp_path / f"{name}-q8.gguf", QT.Q8_0)
+    return make
+
+
+@pytest.mark.parametrize("activations, kv_dtype", [("int8", np.float16), ("f32", np.float32)])
+@pytest.mark.parametrize("make", [_with_biases, _arch_fixture("gemma3"), _arch_fixture("qwen3"),
+                                  _arch_fixture("phi3")], ids=["llama-biases", "gemma3", "qwen3", "phi3"])
+def test_compiled_layers_are_run_layers_bit_for_bit(tmp_path, monkeypatch, make, activations, kv_dtype):
+    """The packed pass's layers in one compiled call (engine/packed.py) give every token the
+    bits of block.run_layers with PanelOps, prefill and decode, over the architectures' pieces:
+    q/k/v biases, q/k norms, post-norms, sliding windows (Gemma 3), a fused qkv split (Phi-3).
+    A model with a product weight without panels takes run_layers."""
+    from npllama.engine import batch, packed
+    m = npllama.Model(make(tmp_path), threads=2, activations=activations, kv_dtype=kv_dtype)
+    assert packed.fits(m)
+    calls, compiled_layers = [], packed.run_layers
+    monkeypatch.setattr(packed, "run_layers", lambda *a: calls.append(1) or compiled_layers(*a))
+    prompts, nxt = prompts_of((3, 17, 40, 9), seed=4), [[11], [12], [13], [14]]
+
+    def run():
+        pool = KVPool.for_model(m, tokens=128, page_size=4)
+        seqs = [pool.new_seq() for _ in prompts]
+        pre = forward_batch(m, pool, seqs, prompts, all_logits=True)
+        return pre + forward_batch(m, pool, seqs, nxt)
+
+    compiled = run()
+    assert len(calls) == 2
+    monkeypatch.setattr(batch, "COMPILED_LAYERS", False)
+    for a, b in zip(compiled, run()):
+        np.testing.assert_array_equal(a, b)
+    assert not packed.fits(npllama.Model(write_tiny_llama(tmp_path / "f32.gguf")))
+
+
 def test_mixed_prefill_and_decode_in_one_pass(model):
     pool = KVPool.for_model(model, 32, page_size=4)
     a, b, c = pool.new_seq(), pool.new_seq(), pool.new_seq()

@@ -384,9 +384,23 @@ def _quantize_parallel(x, xr, nt):
         _quantize_into(x[lo:hi], (xr[0][lo:hi], xr[1][lo:hi], xr[2][lo:hi], xr[3][lo:hi]))
 
 
+def quantize_threads(T: int) -> int:
+    """Threads to quantize T activation rows in: at least 8 rows a thread (a parallel region
+    takes about 3 us to start)."""
+    return max(1, min(T // 8, get_num_threads()))
+
+
 def _quantize(x, xr):
-    """Quantize the rows of x into xr, at least 8 rows a thread (a parallel region takes about 3 us to start)."""
-    _quantize_parallel(x, xr, max(1, min(len(x) // 8, get_num_threads())))
+    """Quantize the rows of x into xr (`quantize_threads`)."""
+    _quantize_parallel(x, xr, quantize_threads(len(x)))
+
+
+def empty_rows(T: int, n: int, int8: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Room for T activation rows of n values (xq, xd, xs, xi): of `_quantize_rows`' form
+    (int8), or of `_quantize_rows_i24`'s (int8=False)."""
+    planes = () if int8 else (3,)
+    return (np.empty((T, *planes, n), np.int8), np.empty((T, n // 32), np.float32),
+            np.empty((T, n // 32), np.float32), np.empty((T, *planes, n // 16), np.int32))
 
 
 def quantize_rows_i24(x) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -394,12 +408,9 @@ def quantize_rows_i24(x) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2 or x.shape[1] % 32:
         raise ValueError(f"x must have shape (T, n) with n a multiple of 32, got {x.shape}")
-    T, n = x.shape
-    xq = np.empty((T, 3, n), np.int8)
-    xd, xs = np.empty((T, n // 32), np.float32), np.empty((T, n // 32), np.float32)
-    xi = np.empty((T, 3, n // 16), np.int32)
-    _quantize(x, (xq, xd, xs, xi))
-    return xq, xd, xs, xi
+    xr = empty_rows(*x.shape, int8=False)
+    _quantize(x, xr)
+    return xr
 
 
 def quantize_rows(x) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -407,12 +418,9 @@ def quantize_rows(x) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim != 2 or x.shape[1] % 32:
         raise ValueError(f"x must have shape (T, n) with n a multiple of 32, got {x.shape}")
-    T, n = x.shape
-    xq = np.empty((T, n), np.int8)
-    xd, xs = np.empty((T, n // 32), np.float32), np.empty((T, n // 32), np.float32)
-    xi = np.empty((T, n // 16), np.int32)
-    _quantize(x, (xq, xd, xs, xi))
-    return xq, xd, xs, xi
+    xr = empty_rows(*x.shape, int8=True)
+    _quantize(x, xr)
+    return xr
 
 
 # ---------------------------------------------------------------------------------------
