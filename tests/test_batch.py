@@ -201,6 +201,26 @@ def test_compiled_layers_are_run_layers_bit_for_bit(tmp_path, monkeypatch, make,
     assert not packed.fits(npllama.Model(write_tiny_llama(tmp_path / "f32.gguf")))
 
 
+@pytest.mark.parametrize("threads, workers", [(2, 5), (1, 2), (2, 1)])
+def test_compiled_layers_do_not_depend_on_the_threads(tmp_path, monkeypatch, threads, workers):
+    """The compiled layers' work sharing finishes, with the same bits, whether the region has
+    more workers than threads (one thread then runs several, one after another) or fewer."""
+    from npllama.engine import packed
+    m = npllama.Model(write_tiny_llama(tmp_path / "m.gguf", qtype=QT.Q4_1), threads=2, activations="int8")
+    prompts, nxt = prompts_of((5, 30, 12), seed=8), [[21], [22], [23]]
+
+    def run(**kw):
+        pool = KVPool.for_model(m, tokens=64, page_size=4)
+        seqs = [pool.new_seq() for _ in prompts]
+        return forward_batch(m, pool, seqs, prompts, all_logits=True, **kw) + forward_batch(m, pool, seqs, nxt, **kw)
+
+    want = run()
+    compiled_layers = packed.run_layers
+    monkeypatch.setattr(packed, "run_layers", lambda *a: compiled_layers(*a[:-1], workers))
+    for a, b in zip(run(threads=threads), want):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_mixed_prefill_and_decode_in_one_pass(model):
     pool = KVPool.for_model(model, 32, page_size=4)
     a, b, c = pool.new_seq(), pool.new_seq(), pool.new_seq()

@@ -17,10 +17,10 @@ Products: the packed activations go through the panel kernels (engine/ops.py: Pa
 int24 or int8 activations; the row kernels for weights without panels), which read every
 weight once per pass (q/k/v share one parallel region, gate/up and the GLU another; the
 per-token norms and RoPE run serially); where every layer product has panels, the layers run
-in one compiled call (engine/packed.py: the same kernels, called in the same order, so the
-same bits; a 16-sequence decode pass 0.91-0.93x the time). Passes run in chunks of
-CHUNK_TOKENS packed tokens (a later chunk attends to keys an earlier one wrote), which keeps
-the activations in cache. Weights whose sizes are not whole 32-element blocks
+in one compiled call and one parallel region (engine/packed.py: the same routines on the same
+rows, so the same bits; a 16-sequence int8 decode pass 0.85-0.88x the time). Passes run in
+chunks of CHUNK_TOKENS packed tokens (a later chunk attends to keys an earlier one wrote),
+which keeps the activations in cache. Weights whose sizes are not whole 32-element blocks
 take the tiled-dequant + BLAS path, as Model.forward's prefill does.
 
 Continuous batching (generation/scheduler.py) and beam search (generation/beam.py) step
@@ -109,7 +109,7 @@ def forward_batch(model, pool: KVPool, seqs: Sequence[PoolSeq], token_lists, *, 
 
             x = block.embed(model, ids[c0:c1])
             if compiled:
-                packed.run_layers(model, x, positions[c0:c1], pool, slots_c, tables, blocks, end)
+                packed.run_layers(model, x, positions[c0:c1], pool, slots_c, tables, blocks, end, threads)
             else:
                 def paged_attention(li, q, k, v, window, slots_c=slots_c, blocks=blocks):
                     pool.write(li, slots_c, k, v)

@@ -202,34 +202,46 @@ def _paged_kernel(q, kv, tables, blk_seq, blk_row, blk_pos, blk_len, scale, wind
     tables: (B, n_table) int32; block k covers query rows blk_row[k] .. + blk_len[k] - 1 of
     sequence blk_seq[k], at positions blk_pos[k] ...
     """
+    per = _task_heads(kv.shape[2], blk_seq.shape[0])
+    for task in prange(blk_seq.shape[0] * per):
+        _paged_task(task, per, q, kv, tables, blk_seq, blk_row, blk_pos, blk_len, scale, window, out)
+
+
+@njit(cache=True)
+def _task_heads(KVH, nb):
+    """Tasks per query block of the paged kernel's `nb` blocks: one per KV head, or one with
+    every KV head from _WHOLE_BLOCKS blocks on."""
+    return KVH if nb < _WHOLE_BLOCKS else 1
+
+
+@njit(fastmath=_FASTMATH, cache=True)
+def _paged_task(task, per, q, kv, tables, blk_seq, blk_row, blk_pos, blk_len, scale, window, out):
+    """Task `task` of the paged kernel (`per` tasks a block, `_task_heads`): its query
+    block's rows of out for its KV heads."""
     H = q.shape[1]
     D = q.shape[2]
-    KVH = kv.shape[2]
-    G = H // KVH
-    nb = blk_seq.shape[0]
-    per = KVH if nb < _WHOLE_BLOCKS else 1  # tasks per block
-    NG = KVH // per  # KV heads per task
-    for task in prange(nb * per):
-        k = task // per
-        g0 = (task - k * per) * NG
-        R = blk_len[k]
-        i0 = blk_row[k]
-        pos0 = blk_pos[k]
-        c0, n_chunks = _chunk_span(max(0, pos0 - window + 1) if window > 0 else 0, pos0 + R)
-        m = np.full((n_chunks, NG, R, G), -np.inf, dtype=np.float32)
-        l = np.zeros((n_chunks, NG, R, G), dtype=np.float32)
-        acc = np.zeros((n_chunks, NG, R, G, D), dtype=np.float32)
-        s = np.empty((R, G, _BLOCK), dtype=np.float32)
-        kb = np.empty((_BLOCK, D), dtype=np.float32)
-        vb = np.empty((_BLOCK, D), dtype=np.float32)
-        offs = np.empty(_BLOCK, dtype=np.int64)
-        for c in range(n_chunks):
-            _paged_block(q, kv, tables[blk_seq[k]], i0, pos0, g0, scale, window, (c0 + c) * _CHUNK,
-                         (c0 + c + 1) * _CHUNK, m[c], l[c], acc[c], s, kb, vb, offs)
-        for gi in range(NG):
-            g = g0 + gi
-            for r in range(R):
-                _merge_head(m[:, gi, r], l[:, gi, r], acc[:, gi, r], out[i0 + r, g * G:(g + 1) * G])
+    G = H // kv.shape[2]
+    NG = kv.shape[2] // per  # KV heads per task
+    k = task // per
+    g0 = (task - k * per) * NG
+    R = blk_len[k]
+    i0 = blk_row[k]
+    pos0 = blk_pos[k]
+    c0, n_chunks = _chunk_span(max(0, pos0 - window + 1) if window > 0 else 0, pos0 + R)
+    m = np.full((n_chunks, NG, R, G), -np.inf, dtype=np.float32)
+    l = np.zeros((n_chunks, NG, R, G), dtype=np.float32)
+    acc = np.zeros((n_chunks, NG, R, G, D), dtype=np.float32)
+    s = np.empty((R, G, _BLOCK), dtype=np.float32)
+    kb = np.empty((_BLOCK, D), dtype=np.float32)
+    vb = np.empty((_BLOCK, D), dtype=np.float32)
+    offs = np.empty(_BLOCK, dtype=np.int64)
+    for c in range(n_chunks):
+        _paged_block(q, kv, tables[blk_seq[k]], i0, pos0, g0, scale, window, (c0 + c) * _CHUNK,
+                     (c0 + c + 1) * _CHUNK, m[c], l[c], acc[c], s, kb, vb, offs)
+    for gi in range(NG):
+        g = g0 + gi
+        for r in range(R):
+            _merge_head(m[:, gi, r], l[:, gi, r], acc[:, gi, r], out[i0 + r, g * G:(g + 1) * G])
 
 
 def plan_blocks(seq_of_token: np.ndarray, positions: np.ndarray, rows: int = _ROWS):

@@ -384,15 +384,9 @@ def _quantize_parallel(x, xr, nt):
         _quantize_into(x[lo:hi], (xr[0][lo:hi], xr[1][lo:hi], xr[2][lo:hi], xr[3][lo:hi]))
 
 
-def quantize_threads(T: int) -> int:
-    """Threads to quantize T activation rows in: at least 8 rows a thread (a parallel region
-    takes about 3 us to start)."""
-    return max(1, min(T // 8, get_num_threads()))
-
-
 def _quantize(x, xr):
-    """Quantize the rows of x into xr (`quantize_threads`)."""
-    _quantize_parallel(x, xr, quantize_threads(len(x)))
+    """Quantize the rows of x into xr, at least 8 rows a thread (a parallel region takes about 3 us to start)."""
+    _quantize_parallel(x, xr, max(1, min(len(x) // 8, get_num_threads())))
 
 
 def empty_rows(T: int, n: int, int8: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
