@@ -23,12 +23,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..kernels.f16 import _st, bits
+from ..kernels.f16 import bits
 from ..kernels.nn import _glu1, _rmsnorm_row, _rope_row
-from ..kernels.paged_attention import _paged_task, _task_heads
+from ..kernels.paged_attention import _paged_task, _task_heads, _write_records
 from ..kernels.panels import PANEL, _panel_rows, _quantize_into, _store, empty_rows
 from ..kernels.workshare import _finish, _take, _wait, phase_size
-from .decode import _weight
+from .decode import _residual, _weight
 
 __all__ = ["fits", "run_layers"]
 
@@ -165,11 +165,7 @@ def _token_rows(ctr, slot, home, nt, x, r, post, li, add, w, norm, eps, h, xr):
         if t < 0:
             break
         if add:
-            if post.shape[1]:
-                _rmsnorm_row(r[t], post[li], eps, n)
-                x[t] += n
-            else:
-                x[t] += r[t]
+            _residual(x[t], r[t], post, li, eps, n)
         if norm:
             _rmsnorm_row(x[t], w, eps, h[t])
             _quantize_into(h[t:t + 1], _row_form(xr, t))
@@ -217,11 +213,7 @@ def _token_qkv(ctr, slot, home, nt, li, q, k, v, qr, kr, bq, bk, bv, q_norm, k_n
         if lcfg[li, 0] >= 0:
             _rope_row(qr[t], positions[t], cos[lcfg[li, 0]], sin[lcfg[li, 0]], neox)
             _rope_row(kr[t], positions[t], cos[lcfg[li, 0]], sin[lcfg[li, 0]], neox)
-        s = slots[t]
-        for g in range(KVH):
-            for dd in range(D):
-                _st(kv[s, g, 0], dd, kr[t, g, dd])
-                _st(kv[s, g, 1], dd, v[t, g, dd])
+        _write_records(kv, slots[t:t + 1], kr[t:t + 1], v[t:t + 1])
         done += 1
     _finish(ctr, slot, nt, done)
     _wait(ctr, slot, nt, T)
