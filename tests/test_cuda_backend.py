@@ -24,7 +24,8 @@ SIGNATURES = {
     "_rmsnorm_kernel": [(f32_2, f32_1, float32, f32_2, int64)],
     "_rope_kernel": [(f32_3, int64[::1], f32_2, f32_2, boolean, int64)],
     "_glu_kernel": [(f32_1, f32_1, f32_1, int64, int64)],
-    "_attention_split_kernel": [(f32_3, kv[:, :, :, ::1], int64, int64, int64, float32, int64, f32_2, f32_2, f32_3)
+    "_store_kv_kernel": [(kv[:, :, :, ::1], f32_3, f32_3, int64[::1]) for kv in (float32, float16)],
+    "_attention_split_kernel": [(f32_3, kv[:, :, :, ::1], int64[::1], int64, float32, int64, f32_2, f32_2, f32_3)
                                 for kv in (float32, float16)],
     "_attention_merge_kernel": [(f32_2, f32_2, f32_3, f32_3, int64)],
 }

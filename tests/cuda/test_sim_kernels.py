@@ -90,16 +90,14 @@ def test_glu(act, n):
     np.testing.assert_allclose(out, g64 / (1 + np.exp(-z)) * u, rtol=1e-5, atol=1e-6)
 
 
-def attention_ref(q, kv, kv_len, offset, window, scale):
+def attention_ref(q, kv, positions, window, scale):
     S, H, D = q.shape
     group = H // kv.shape[1]
     out = np.zeros((S, H, D))
     for s in range(S):
-        p = offset + s
-        keys = [t for t in range(min(p + 1, kv_len)) if window == 0 or t > p - window]
+        p = positions[s]
+        keys = [t for t in range(p + 1) if window == 0 or t > p - window]
         for h in range(H):
-            if not keys:
-                continue
             k = kv[keys, h // group, 0].astype(np.float64)
             v = kv[keys, h // group, 1].astype(np.float64)
             sc = k @ q[s, h].astype(np.float64) * scale
@@ -109,11 +107,32 @@ def attention_ref(q, kv, kv_len, offset, window, scale):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-@pytest.mark.parametrize("S,kv_len,window", [(1, 1, 0), (1, 70, 0), (4, 9, 0), (3, 70, 5)])
-def test_attention(dtype, S, kv_len, window):
+@pytest.mark.parametrize("S,kv_len,window,extra", [(1, 1, 0, 0), (1, 70, 0, 0), (4, 9, 0, 0), (3, 70, 5, 0),
+                                                   (1, 70, 0, 2), (2, 5, 3, 1)])
+def test_attention(dtype, S, kv_len, window, extra):
+    """Queries at the last S of kv_len positions; `extra` splits past the keys (a CUDA graph
+    launches the splits of the cache's whole capacity) change nothing."""
     H, KVH, D = 4, 2, 8
     kv = RNG.standard_normal((kv_len + 3, KVH, 2, D)).astype(dtype)
+    kv[kv_len:] = np.nan  # rows past the last position are never read
     q = RNG.standard_normal((S, H, 2 * D)).astype(np.float32)[:, :, ::2]  # non-contiguous
-    offset = kv_len - S
-    out = K.attention(q, kv, kv_len, offset, window, 0.35, np.empty((S, H, D), np.float32), np)
-    np.testing.assert_allclose(out, attention_ref(q, kv, kv_len, offset, window, 0.35), rtol=1e-5, atol=1e-5)
+    positions = np.arange(kv_len - S, kv_len, dtype=np.int64)
+    splits = -(-kv_len // K.SPLIT) + extra
+    out = K.attention(q, kv, positions, splits, window, 0.35, np.empty((S, H, D), np.float32), np)
+    np.testing.assert_allclose(out, attention_ref(q, kv, positions, window, 0.35), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("S", [1, 3])
+def test_store_kv(dtype, S):
+    KVH, D = 2, 8
+    kv = RNG.standard_normal((9, KVH, 2, D)).astype(dtype)
+    before = kv.copy()
+    k = RNG.standard_normal((S, KVH, 2 * D)).astype(np.float32)[:, :, ::2]  # non-contiguous
+    v = RNG.standard_normal((S, KVH, D)).astype(np.float32)
+    positions = np.array([6, 2, 7][:S], np.int64)
+    K.store_kv(kv, k, v, positions)
+    before[positions, :, 0] = k
+    before[positions, :, 1] = v
+    np.testing.assert_array_equal(kv, before)
+

@@ -14,7 +14,10 @@ each weight to float32 on the device and multiply with the array library (cuBLAS
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -127,34 +130,55 @@ def upload(w: QWeight, xp) -> DeviceWeight:
 
 class DeviceKVCache(KVCache):
     """`KVCache` with its buffer on the device: the same interleaved layout, preallocation,
-    doubling and capacity-0 rules; `append` takes device arrays."""
+    doubling and capacity-0 rules; `append` takes device arrays. Its copies (growth, fork,
+    append) run on the model's stream, and wait for it, so they are ordered with the forward
+    passes. `graph` holds the decode step captured for this buffer (CudaModel._decode)."""
 
-    def __init__(self, n_layers, n_kv_heads, head_dim, capacity=0, dtype=np.float32, *, xp):
-        self._xp = xp
-        super().__init__(n_layers, n_kv_heads, head_dim, capacity, dtype)
+    def __init__(self, n_layers, n_kv_heads, head_dim, capacity=0, dtype=np.float32, *, xp, stream):
+        self._xp, self._stream = xp, stream
+        self.graph = None
+        with stream:
+            super().__init__(n_layers, n_kv_heads, head_dim, capacity, dtype)
 
     def _alloc(self, capacity: int):
         return self._xp.empty((self.n_layers, capacity, self.n_kv_heads, 2, self.head_dim), dtype=self.dtype)
+
+    def ensure_capacity(self, n: int) -> None:
+        with self._stream:
+            super().ensure_capacity(n)
+        self._stream.synchronize()
 
     def append(self, layer: int, k, v) -> int:
         layer = self._check_layer(layer)
         want = (k.shape[0], self.n_kv_heads, self.head_dim)
         if k.shape != want or v.shape != want:
             raise ValueError(f"DeviceKVCache.append: k {k.shape} and v {v.shape} must both be {want}")
-        return self._store(layer, k, v)
+        with self._stream:
+            end = self._store(layer, k, v)
+        self._stream.synchronize()
+        return end
+
+    def fork(self) -> "DeviceKVCache":
+        with self._stream:
+            other = super().fork()
+        self._stream.synchronize()
+        return other
 
     def _empty(self, capacity: int) -> "DeviceKVCache":
-        return DeviceKVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.dtype, xp=self._xp)
+        return DeviceKVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.dtype, xp=self._xp,
+                             stream=self._stream)
 
 
 class DeviceOps(block.Ops):
-    """`block.Ops` on device arrays: products, norms, GLU, RoPE and attention by the kernels."""
+    """`block.Ops` on device arrays: products, norms, GLU, RoPE and attention by the kernels,
+    on the model's stream. Keys and values go to the cache rows at `positions` (a device
+    array); attention launches `splits` blocks of keys (CudaModel._run commits the cache)."""
 
-    def __init__(self, model: "CudaModel", cache: DeviceKVCache, positions):
+    def __init__(self, model: "CudaModel", cache: DeviceKVCache, positions, splits: int):
         super().__init__(model.config)
         self.model, self.xp, self.cache = model, model.xp, cache
-        self.positions = positions  # on the device
-        self.offset = cache.length
+        self.positions, self.splits = positions, splits
+        self.stream = model.launch_stream
 
     def product(self, w: QWeight, h):
         """h (S, cols) @ W.T on the device."""
@@ -162,37 +186,75 @@ class DeviceOps(block.Ops):
         xp = self.xp
         if h.shape[0] == 1:
             out = xp.empty((1, d.rows), np.float32)
-            K.matvec(d.kind, d.scales, d.quants, xp.ascontiguousarray(h[0]), out[0], d.rows, d.cols)
+            K.matvec(d.kind, d.scales, d.quants, xp.ascontiguousarray(h[0]), out[0], d.rows, d.cols,
+                     stream=self.stream)
             return out
-        full = K.dequantize(d.kind, d.scales, d.quants, xp.empty((d.rows, d.cols), np.float32), d.rows, d.cols)
+        full = K.dequantize(d.kind, d.scales, d.quants, xp.empty((d.rows, d.cols), np.float32), d.rows, d.cols,
+                            stream=self.stream)
         return xp.ascontiguousarray(h) @ full.T
 
     def norm(self, x, w):
         xp = self.xp
         shape = x.shape
         flat = xp.ascontiguousarray(x).reshape(-1, shape[-1])
-        return K.rmsnorm(flat, self.model.device_vector(w), self.cfg.rms_eps, xp.empty_like(flat)).reshape(shape)
+        return K.rmsnorm(flat, self.model.device_vector(w), self.cfg.rms_eps, xp.empty_like(flat),
+                         stream=self.stream).reshape(shape)
 
     def glu(self, gate, up, h):
         g, u = self.product(gate, h), self.product(up, h)
-        return K.glu(g, u, self.xp.empty_like(g), _ACTS[self.cfg.act])
+        return K.glu(g, u, self.xp.empty_like(g), _ACTS[self.cfg.act], stream=self.stream)
 
     def add(self, x, b):
         x += self.model.device_vector(b)
 
     def rope(self, x, positions, cos, sin):
-        K.rope(x, self.positions, self.model.device_vector(cos), self.model.device_vector(sin), self.cfg.rope_neox)
+        K.rope(x, self.positions, self.model.device_vector(cos), self.model.device_vector(sin), self.cfg.rope_neox,
+               stream=self.stream)
 
     def attention(self, li, q, k, v, window):
         xp = self.xp
-        self.cache.append(li, k, v)
+        kv = self.cache.buffer(li)
+        K.store_kv(kv, k, v, self.positions, stream=self.stream)
         q = xp.ascontiguousarray(q)
-        return K.attention(q, self.cache.buffer(li), self.cache.layer_length(li), self.offset, int(window),
-                           self.cfg.attn_scale, xp.empty_like(q), xp)
+        return K.attention(q, kv, self.positions, self.splits, int(window), self.cfg.attn_scale, xp.empty_like(q),
+                           xp, stream=self.stream)
+
+
+class _NoStream:
+    """The simulator's stand-in for a CuPy stream: everything runs in order already."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def synchronize(self):
+        pass
+
+
+@dataclass
+class _DecodeGraph:
+    """One decode step of one cache buffer, captured as a CUDA graph: the token's embedding
+    goes into `x` and its position into `positions`, and the logits come out in `out`. `pool`
+    is the memory pool its temporaries came from, kept for the graph alone."""
+    key: tuple
+    graph: object
+    x: object
+    positions: object
+    out: object
+    pool: object
 
 
 class CudaModel(Model):
-    """`npllama.Model` with its forward pass on the device (made by `backends.cuda.load`)."""
+    """`npllama.Model` with its forward pass on the device (made by `backends.cuda.load`).
+
+    On a GPU every pass runs on one CUDA stream of the model's. A session's decode steps
+    replay a CUDA graph: the second step at a cache's capacity captures the whole step (every
+    layer and the head, some 500 launches), which later steps replay with one launch; the
+    first step runs the same kernels eagerly with the graph's memory pool, which compiles the
+    kernels and gives the capture memory it need not allocate. NPLLAMA_CUDA_GRAPHS=0 runs
+    every step eagerly (for comparison)."""
 
     device = "cuda"
 
@@ -205,7 +267,16 @@ class CudaModel(Model):
         if self.activations != "f32":
             raise ValueError("device='cuda' computes in float32: load it with activations='f32'")
         self.xp = xp
-        self.device_weights = {w.name: upload(w, xp) for w in self.product_weights()}
+        if xp is np:
+            self.stream, self.launch_stream, self.graphs = _NoStream(), 0, False
+        else:
+            from numba import cuda
+            self.stream = xp.cuda.Stream(non_blocking=True)
+            self.launch_stream = cuda.external_stream(self.stream.ptr)
+            self.graphs = os.environ.get("NPLLAMA_CUDA_GRAPHS", "1") != "0"
+        with self.stream:
+            self.device_weights = {w.name: upload(w, xp) for w in self.product_weights()}
+        self.stream.synchronize()
         self._vectors: dict[tuple, tuple] = {}
         self._local = threading.local()  # forward(device_arrays=True) of this thread
 
@@ -215,12 +286,17 @@ class CudaModel(Model):
         key = (a.__array_interface__["data"][0], a.shape, a.strides, a.dtype.str)
         got = self._vectors.get(key)
         if got is None:
-            got = self._vectors[key] = (a, self.xp.asarray(np.ascontiguousarray(a, dtype=np.float32)))
+            xp = self.xp
+            # from the shared pool even inside a decode graph's first step, whose pool is the graph's
+            shared = contextlib.nullcontext() if xp is np else xp.cuda.using_allocator(xp.get_default_memory_pool().malloc)
+            with shared:
+                got = self._vectors[key] = (a, xp.asarray(np.ascontiguousarray(a, dtype=np.float32)))
         return got[1]
 
     def new_cache(self, capacity: int = 0) -> DeviceKVCache:
         cfg = self.config
-        return DeviceKVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, capacity, self.kv_dtype, xp=self.xp)
+        return DeviceKVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, capacity, self.kv_dtype, xp=self.xp,
+                             stream=self.stream)
 
     def check_cache(self, cache) -> None:
         """ValueError unless `cache` is a device cache shaped for this model."""
@@ -228,25 +304,90 @@ class CudaModel(Model):
             raise ValueError("a device='cuda' model needs its own cache: make one with model.new_cache()")
         super().check_cache(cache)
 
+    def _pass(self, x, positions_host, ops, end, all_logits, output):
+        """The layers and the head on the residual stream x (on the device)."""
+        x = block.run_layers(self, x, positions_host, ops, end)
+        if output == "hidden":
+            return ops.norm(x, self.output_norm)
+        out = block.softcap(ops.product(self.output, ops.norm(x if all_logits else x[-1:], self.output_norm)),
+                            self.config.softcap)
+        return out if all_logits else out[0]
+
     def _run(self, ids, cache, all_logits, output, threads):
-        xp, cfg = self.xp, self.config
+        xp = self.xp
         pos = cache.length
         self.ropes.check_range(pos, pos + len(ids))
         cache.ensure_capacity(pos + len(ids))
         positions = np.arange(pos, pos + len(ids), dtype=np.int64)
         try:
-            ops = DeviceOps(self, cache, xp.asarray(positions))
-            x = block.run_layers(self, xp.asarray(block.embed(self, ids)), positions, ops, pos + len(ids))
-            if output == "hidden":
-                out = ops.norm(x, self.output_norm)
-            else:
-                out = block.softcap(ops.product(self.output, ops.norm(x if all_logits else x[-1:], self.output_norm)),
-                                    cfg.softcap)
-                out = out if all_logits else out[0]
+            with self.stream:
+                out = None
+                if self.graphs and len(ids) == 1 and output == "logits":
+                    out = self._decode(ids, cache)
+                if out is None:
+                    ops = DeviceOps(self, cache, xp.asarray(positions), -(-(pos + len(ids)) // K.SPLIT))
+                    out = self._pass(xp.asarray(block.embed(self, ids)), positions, ops, pos + len(ids), all_logits,
+                                     output)
+                if getattr(self._local, "device_arrays", False):
+                    out = out.copy()  # a graph's output buffer is overwritten by its next replay
+                    self.stream.synchronize()
+                else:
+                    out = _host(out)
         except BaseException:
             cache.truncate(pos)
             raise
-        return out if getattr(self._local, "device_arrays", False) else _host(out)
+        cache.commit(len(ids))
+        return out
+
+    def _decode(self, ids, cache):
+        """One token's logits (on the device) by the cache's decode graph, or None where the
+        step must run eagerly: its first at this capacity (see the class docstring)."""
+        import cupy
+        pos = cache.length
+        cos, _ = self.ropes.tables(pos + 1)
+        key = (cache.capacity, cache.buffers().data.ptr, cos.__array_interface__["data"][0])
+        g = cache.graph
+        if g is None or g.key != key:
+            if g is None or g.key != key + ("warm",):
+                pool = cupy.cuda.MemoryPool()
+                with cupy.cuda.using_allocator(pool.malloc):
+                    out = self._decode_pass(ids, cache, xp_positions=self.xp.asarray(np.array([pos])))
+                cache.graph = _DecodeGraph(key + ("warm",), None, None, None, None, pool)
+                return out
+            try:
+                g = self._capture(cache, key, g.pool)
+            except Exception as e:  # noqa: BLE001 - a driver or library that cannot capture: run eagerly
+                warnings.warn(f"npllama: capturing the decode step as a CUDA graph failed ({type(e).__name__}: "
+                              f"{e}); decode steps run eagerly")
+                self.graphs, cache.graph = False, None
+                return None
+            cache.graph = g
+        g.x.set(block.embed(self, ids))
+        g.positions.set(np.array([pos], np.int64))
+        g.graph.launch(self.stream)
+        return g.out
+
+    def _decode_pass(self, ids, cache, *, xp_positions, x=None):
+        """A decode step's kernels for the graph: attention launches the splits of the whole
+        capacity, so that the captured step serves every position below it."""
+        ops = DeviceOps(self, cache, xp_positions, -(-cache.capacity // K.SPLIT))
+        if x is None:
+            x = self.xp.asarray(block.embed(self, ids))
+        end = cache.length + 1
+        return self._pass(x, np.arange(end - 1, end, dtype=np.int64), ops, end, False, "logits")
+
+    def _capture(self, cache, key, pool) -> _DecodeGraph:
+        import cupy
+        xp = self.xp
+        with cupy.cuda.using_allocator(pool.malloc):
+            x = xp.empty((1, self.config.n_embd), np.float32)
+            positions = xp.zeros(1, np.int64)
+            self.stream.begin_capture(getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None))
+            try:
+                out = self._decode_pass(None, cache, xp_positions=positions, x=x)
+            finally:
+                graph = self.stream.end_capture()
+        return _DecodeGraph(key, graph, x, positions, out, pool)
 
     def forward(self, ids, pos: int, cache, *, all_logits: bool = False, output: str = "logits",
                 threads: int | None = None, device_arrays: bool = False):
