@@ -1,17 +1,17 @@
-"""The CUDA backend on a real GPU: prefill and decode tokens/s against the CPU engine and HF
-transformers (CUDA, float32) on the same GGUF, and the cost of one kernel launch. Never a
-pass/fail test; bench/gpu_check.sh runs it where a GPU is lent.
+"""The CUDA backend on a real GPU: prefill and decode tokens/s, with the decode steps replayed
+as a CUDA graph and run eagerly, against HF transformers (CUDA, float32) on the same GGUF; the
+cost of one kernel launch. Never a pass/fail test; bench/gpu_check.sh runs it where a GPU is lent.
 
-    python bench/bench_gpu.py [--model PATH] [--prompt 128] [--gen 32]
+    python bench/bench_gpu.py [--model PATH ...] [--prompt 128] [--gen 64] [--cpu]
 
-Without --model (or $NPLLAMA_MODEL) it writes a random model of SmolLM2-135M's shape (30
-layers, 576 wide, 9 heads, 3 KV heads, 1536 feed-forward; Q4_1; the tests' small vocabulary),
-since a GPU machine here has no network and the default model is larger than what travels.
+Without --model it writes a random model of SmolLM2-135M's shape (tests/tinygguf.py; Q4_1; the
+tests' small vocabulary); gpu_check.sh passes the random models of the real files' shapes
+(bench/shaped_model.py), since a GPU machine here has no network and the real files are larger
+than what travels. --cpu adds the CPU engine on the same machine (its kernels compile first).
 """
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
@@ -26,10 +26,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from npllama.bench import run_bench  # noqa: E402
 
 
-def model_path(arg: str | None) -> str:
-    path = arg or os.environ.get("NPLLAMA_MODEL")
-    if path:
-        return path
+def default_model() -> str:
     from gguf import GGMLQuantizationType as QT
     from tinygguf import write_tiny_llama
     out = Path(tempfile.mkdtemp()) / "smollm2-shape-q4_1.gguf"
@@ -49,7 +46,7 @@ def hf_rates(path, ids, gen):
     import torch
     from transformers import AutoModelForCausalLM
     m = AutoModelForCausalLM.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name,
-                                             torch_dtype=torch.float32).cuda().eval()
+                                             dtype=torch.float32).cuda().eval()
     best_p = best_d = 0.0
     with torch.no_grad():
         for _ in range(3):
@@ -69,41 +66,121 @@ def hf_rates(path, ids, gen):
     return best_p, best_d
 
 
-def launch_cost(n: int = 2000) -> float:
-    """Seconds per launch of a one-thread kernel, launched n times back to back."""
+def launch_costs(n: int = 500) -> dict:
+    """Host microseconds per launch of a one-thread kernel (n back to back): through the
+    wrapper (CuPy arrays turned into Numba views, then the launch), the view alone, the launch
+    of Numba views, and the launch of CuPy arrays left to Numba."""
     import cupy
+    from numba import cuda
     from npllama.backends.cuda import kernels as K
     a = cupy.zeros(1, np.float32)
-    K.glu(a, a, a, K.ACT_SILU)
-    cupy.cuda.runtime.deviceSynchronize()
+    v = cuda.as_cuda_array(a, sync=False)
+    ways = {"wrapper (K.glu)": lambda: K.glu(a, a, a, K.ACT_SILU),
+            "cuda.as_cuda_array alone": lambda: cuda.as_cuda_array(a, sync=False),
+            "kernel on Numba views": lambda: K._glu_kernel[1, 128](v, v, v, 0, 1),
+            "kernel on CuPy arrays": lambda: K._glu_kernel[1, 128](a, a, a, 0, 1)}
+    out = {}
+    for name, f in ways.items():
+        f()
+        cupy.cuda.runtime.deviceSynchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            f()
+        cupy.cuda.runtime.deviceSynchronize()
+        out[name] = (time.perf_counter() - t0) / n * 1e6
+    return out
+
+
+def gpu_us(model, fn, n: int = 20) -> float:
+    """GPU microseconds of one fn() (launches on the model's stream): n calls captured as a
+    CUDA graph and replayed between events, so no host time counts."""
+    import cupy
+    s = model.stream
+    with s:
+        fn()
+        s.begin_capture()
+        for _ in range(n):
+            fn()
+        g = s.end_capture()
+        g.launch(s)
+        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+        e0.record(s)
+        g.launch(s)
+        e1.record(s)
+        e1.synchronize()
+    return cupy.cuda.get_elapsed_time(e0, e1) * 1000 / n
+
+
+def breakdown(model, ids) -> None:
+    """Where a decode step's time goes: the whole step through the session, the captured
+    step's replay alone (GPU), and some products' mat-vec (GPU)."""
+    import cupy
+    from npllama.backends.cuda import kernels as K
+    s = model.session()
+    logits = s.feed(ids)
+    for _ in range(3):
+        logits = s.feed([int(np.argmax(logits))])
     t0 = time.perf_counter()
-    for _ in range(n):
-        K.glu(a, a, a, K.ACT_SILU)
-    cupy.cuda.runtime.deviceSynchronize()
-    return (time.perf_counter() - t0) / n
+    for _ in range(50):
+        logits = s.feed([int(np.argmax(logits))])
+    step = (time.perf_counter() - t0) / 50 * 1e6
+    g = s.cache.graph
+    with model.stream:
+        g.graph.launch(model.stream)
+        model.stream.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(50):
+            g.graph.launch(model.stream)
+        model.stream.synchronize()
+    replay = (time.perf_counter() - t0) / 50 * 1e6
+    print(f"decode step: {step:.0f} us through the session, {replay:.0f} us the graph's replay alone")
+    L = model.layers[0]
+    for w in (L.wq, L.wk, L.w_up, L.w_down, model.output):
+        d = model.device_weights[w.name]
+        x = cupy.ones(d.cols, np.float32)
+        o = cupy.empty(d.rows, np.float32)
+        us = gpu_us(model, lambda: K.matvec(d.kind, d.scales, d.quants, x, o, d.rows, d.cols,
+                                            stream=model.launch_stream))
+        mb = (d.scales.nbytes + d.quants.nbytes) / 1e6
+        print(f"  mat-vec {w.name:22s} {d.rows}x{d.cols} ({mb:.1f} MB read): {us:.1f} us ({mb / us:.2f} TB/s)")
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model")
-    ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--gen", type=int, default=32)
-    args = ap.parse_args()
+def bench_model(path: str, args) -> None:
     import npllama
-    path = model_path(args.model)
+    print(f"== {Path(path).name}", flush=True)
     gpu = npllama.load(path, device="cuda")
     ids = np.random.default_rng(0).integers(3, gpu.config.n_vocab, args.prompt).tolist()
-    rows = {"npllama cuda": rates(gpu, ids, args.gen), "npllama cpu": rates(npllama.load(path), ids, args.gen)}
+    rows = {"npllama cuda (graphs)": rates(gpu, ids, args.gen)}
+    breakdown(gpu, ids)
+    gpu.graphs = False
+    rows["npllama cuda (eager)"] = rates(gpu, ids, args.gen)
+    del gpu
+    if args.cpu:
+        rows["npllama cpu"] = rates(npllama.load(path), ids, args.gen)
     try:
         rows["HF transformers cuda"] = hf_rates(path, ids, args.gen)
     except Exception as e:  # noqa: BLE001 - reported, not fatal
         print(f"HF transformers: skipped ({type(e).__name__}: {e})")
     for name, (p, d) in rows.items():
-        print(f"{name:22s} prefill {p:9.1f} tok/s   decode {d:7.1f} tok/s")
+        print(f"{name:22s} prefill {p:9.1f} tok/s   decode {d:7.1f} tok/s", flush=True)
+    (p, d), (_, de) = rows["npllama cuda (graphs)"], rows["npllama cuda (eager)"]
+    print(f"graphs / eager decode: {d / de:.2f}x")
     if "HF transformers cuda" in rows:
-        (p, d), (hp, hd) = rows["npllama cuda"], rows["HF transformers cuda"]
+        hp, hd = rows["HF transformers cuda"]
         print(f"npllama cuda / HF transformers cuda: prefill {p / hp:.2f}x, decode {d / hd:.2f}x (target decode >= 2x)")
-    print(f"one kernel launch: {launch_cost() * 1e6:.1f} us")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", action="append")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--cpu", action="store_true", help="add the CPU engine on this machine")
+    args = ap.parse_args()
+    for path in args.model or [default_model()]:
+        bench_model(path, args)
+    for name, us in launch_costs().items():
+        print(f"launch of a one-thread kernel, {name}: {us:.1f} us")
 
 
 if __name__ == "__main__":

@@ -1,24 +1,30 @@
 #!/usr/bin/env bash
-# Everything of the CUDA backend that needs a GPU, in one run of a few minutes (issue 18): the
-# `gpu`-marked tests (the default model against the CPU engine when $NPLLAMA_MODEL names it,
-# the kernels on realistic shapes against the CPU kernels), with the warp-shuffle reductions and
-# again with the shared-memory ones, and bench/bench_gpu.py (tokens/s
-# against the CPU engine and HF transformers on the same GPU, one kernel launch's cost).
+# Everything of the CUDA backend that needs a GPU, in one run of a few minutes (issue 18):
+# random models of SmolLM2-135M's and Gemma 3 270M's shapes written from their specs, the
+# `gpu`-marked tests (those models against the CPU engine's logits, graph against eager steps,
+# the kernels against gguf and NumPy) with the warp-shuffle reductions and again the kernels
+# with the shared-memory ones, then bench/bench_gpu.py on both models (tokens/s with graphs and
+# eager, against HF transformers on the same GPU; one kernel launch's cost).
 #
-# The GPU machines lent here have CuPy, numba-cuda, torch and transformers but no network and
-# no `gguf`: put the wheels of what is missing in .gpu-wheels/ first (here:
-#   pip download --no-deps -d .gpu-wheels gguf tokenizers jinja2 filelock threadpoolctl pyyaml pytest pytest-timeout hypothesis
-# ) and carry that folder with the working tree.
+# The GPU machines lent here have CuPy, numba-cuda, torch and transformers but no network, no
+# `gguf`, and take at most 64 MiB along. First, here: `python bench/gpu_prep.py`, which writes
+# .gpu-carry (the shapes and the CPU engine's reference logits) and .gpu-wheels; carry both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 if [ -d .gpu-wheels ]; then
-    python -m pip install -q --no-index --find-links .gpu-wheels --no-deps .gpu-wheels/*.whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu-wheels/*.whl
+    export PYTHONPATH=/tmp/site
 fi
-python -m pip install -q --no-deps --no-build-isolation -e . || export PYTHONPATH="$PWD"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
-python -m pytest -m gpu -p no:cacheprovider -q tests/test_cuda_gpu.py || echo "gpu tests (warp shuffles): FAILED"
-# the same with the simulator's shared-memory reductions: the two forms against the same references
-NPLLAMA_CUDA_SHARED_REDUCTIONS=1 python -m pytest -m gpu -p no:cacheprovider -q tests/test_cuda_gpu.py \
-    || echo "gpu tests (shared-memory reductions): FAILED"
-python bench/bench_gpu.py "$@"
+python3 -c "import numba, numba.cuda, cupy, numpy; print('numba', numba.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__)"
+for name in smollm2 gemma3; do
+    python3 bench/shaped_model.py write .gpu-carry/$name.pkl .gpu-carry/$name.gguf
+done
+export NPLLAMA_GPU_REF=.gpu-carry
+python3 -m pytest -m gpu -p no:cacheprovider -q tests/test_cuda_gpu.py || echo "gpu tests (warp shuffles): FAILED"
+# the simulator's shared-memory reductions on the GPU: the same references
+NPLLAMA_CUDA_SHARED_REDUCTIONS=1 python3 -m pytest -m gpu -p no:cacheprovider -q tests/test_cuda_gpu.py \
+    -k "matvec or attention" || echo "gpu tests (shared-memory reductions): FAILED"
+python3 bench/bench_gpu.py --model .gpu-carry/smollm2.gguf --model .gpu-carry/gemma3.gguf "$@"

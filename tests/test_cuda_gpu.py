@@ -1,10 +1,24 @@
 """The CUDA backend on a real GPU (marked `gpu`; bench/gpu_check.sh runs them, and they skip
-without a device): the default model against the CPU engine, and the kernels on the default
-model's shapes against the CPU kernels. Never run on these CI machines, which have no GPU."""
+without a device). Never run on these CI machines, which have no GPU.
+
+- Whole models against the CPU engine: models of SmolLM2-135M's and Gemma 3 270M's shapes
+  (bench/shaped_model.py: every quant type of those files, Gemma 3's sliding windows, q/k
+  norms and post-norms), whose CPU-engine logits bench/gpu_prep.py computed where the CPU
+  engine runs, in $NPLLAMA_GPU_REF. The GPU machine then runs no CPU kernel (compiling them
+  there would take minutes of the device's time).
+- A session's decode steps through the captured CUDA graph equal the eager steps, after a
+  fork and a truncate too.
+- The kernels on those models' shapes against gguf's dequantization and NumPy in float64.
+"""
+import hashlib
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
+REF = Path(os.environ.get("NPLLAMA_GPU_REF", ".gpu-carry"))
 
 
 @pytest.fixture(scope="module")
@@ -20,42 +34,96 @@ def cupy():
     return cp
 
 
-@pytest.fixture(scope="module")
-def models(cupy, default_model_path):
+def shaped(name: str) -> tuple[Path, dict]:
+    """The model of `name`'s shape (written by gpu_check.sh from its spec) and its CPU-engine reference."""
+    path, ref = REF / f"{name}.gguf", REF / f"{name}.npz"
+    if not ref.exists() or not path.exists():
+        pytest.skip(f"{ref} or {path} is missing: run bench/gpu_prep.py here and bench/gpu_check.sh there")
+    ref = dict(np.load(ref))
+    ref["same_file"] = hashlib.sha256(path.read_bytes()).hexdigest() == str(ref["sha256"])
+    return path, ref
+
+
+def close(got, want):
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * float(np.abs(want).max()))
+
+
+@pytest.fixture(scope="module", params=["smollm2", "gemma3"])
+def model_and_ref(request, cupy):
     import npllama
-    return npllama.load(default_model_path), npllama.load(default_model_path, device="cuda")
+    path, ref = shaped(request.param)
+    return npllama.load(path, device="cuda"), ref
 
 
-def test_default_model_matches_cpu(models):
-    cpu, gpu = models
-    ids = cpu.tokenize("The capital of France is")
-    s1, s2 = cpu.session(), gpu.session()
-    a, b = s1.feed(ids, all_logits=True), s2.feed(ids, all_logits=True)
-    np.testing.assert_allclose(b, a, rtol=1e-3, atol=1e-3 * np.abs(a).max())
-    for _ in range(8):
-        tok = int(np.argmax(a[-1] if a.ndim == 2 else a))
-        a, b = s1.feed([tok]), s2.feed([tok])
-        np.testing.assert_allclose(b, a, rtol=1e-3, atol=1e-3 * np.abs(a).max())
-        assert int(np.argmax(a)) == int(np.argmax(b))
+def test_model_matches_the_cpu_engine(model_and_ref):
+    """The prompt's logits, then each decode step's (the reference's tokens fed back): the
+    first decode step runs eagerly, the second captures the graph, the rest replay it."""
+    gpu, ref = model_and_ref
+    assert ref["same_file"], f"{gpu.path} is not the file the reference was computed on"
+    s = gpu.session()
+    close(s.feed(ref["prompt"], all_logits=True), ref["prompt_logits"])
+    for tok, want in zip(ref["steps"], ref["step_logits"]):
+        close(s.feed([int(tok)]), want)
+    assert s.cache.graph is not None and s.cache.graph.graph is not None, "no decode graph was captured"
 
 
-def test_matvec_on_the_models_weights(models, cupy):
+def test_graph_steps_equal_eager_steps(model_and_ref):
+    gpu, ref = model_and_ref
+    prompt, steps = ref["prompt"], [int(t) for t in ref["steps"]]
+
+    def run(graphs):
+        gpu.graphs = graphs
+        try:
+            s = gpu.session()
+            s.feed(prompt)
+            out = [s.feed([t]) for t in steps]
+            f = s.fork()
+            out += [f.feed([t]) for t in steps[:2]]  # a fork: its own buffer, its own graph
+            s.truncate(len(prompt) + 1)
+            out += [s.feed([t]) for t in steps[1:3]]  # positions the graph ran before
+            return np.array(out)
+        finally:
+            gpu.graphs = True
+
+    np.testing.assert_allclose(run(True), run(False), rtol=1e-6, atol=1e-6)
+
+
+def test_matvec_and_dequantize_on_the_models_weights(model_and_ref, cupy):
+    """Every quant type of the model, against gguf's dequantization and a float64 product."""
+    from gguf import quants as gq
     from npllama.backends.cuda import kernels as K
-    cpu, gpu = models
-    x = np.random.default_rng(0).standard_normal(cpu.config.n_embd).astype(np.float32)
-    for w in (cpu.layers[0].wq, cpu.layers[0].w_gate, cpu.output):
+    gpu, _ = model_and_ref
+    seen = {}
+    for w in gpu.product_weights():
+        seen.setdefault(w.qtype, w)
+    rng = np.random.default_rng(0)
+    for qtype, w in seen.items():
         d = gpu.device_weights[w.name]
+        exact = gq.dequantize(w.data, qtype).reshape(w.rows, w.cols)
+        x = rng.standard_normal(w.cols).astype(np.float32)
         out = K.matvec(d.kind, d.scales, d.quants, cupy.asarray(x), cupy.empty(d.rows, np.float32), d.rows, d.cols)
-        np.testing.assert_allclose(out.get(), w @ x, rtol=1e-4, atol=1e-4)
+        want = exact.astype(np.float64) @ x
+        np.testing.assert_allclose(out.get(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max(), err_msg=qtype.name)
+        full = K.dequantize(d.kind, d.scales, d.quants, cupy.empty((d.rows, d.cols), np.float32), d.rows, d.cols)
+        # equal but for the last bit where the GPU fuses a scale's multiply and a minimum's add
+        np.testing.assert_allclose(full.get(), exact, rtol=2e-7, atol=1e-7 * np.abs(exact).max(), err_msg=qtype.name)
 
 
 @pytest.mark.parametrize("kv_len", [1, 63, 64, 4000])
-def test_attention_against_the_cpu_kernel(cupy, kv_len):
+def test_attention_against_numpy(cupy, kv_len):
+    """One query over kv_len float16 keys (SmolLM2's 9 heads over 3 KV heads), with the splits
+    of a larger capacity as a graph launches them."""
     from npllama.backends.cuda import kernels as K
-    from npllama.kernels.attention import attend
     rng = np.random.default_rng(kv_len)
-    kv = rng.standard_normal((kv_len, 3, 2, 64)).astype(np.float16)
+    kv = rng.standard_normal((kv_len + 5, 3, 2, 64)).astype(np.float16)
     q = rng.standard_normal((1, 9, 64)).astype(np.float32)
-    out = K.attention(cupy.asarray(q), cupy.asarray(kv), kv_len, kv_len - 1, 0, 0.125,
+    positions = cupy.asarray(np.array([kv_len - 1]))
+    out = K.attention(cupy.asarray(q), cupy.asarray(kv), positions, -(-(kv_len + 5) // K.SPLIT) + 1, 0, 0.125,
                       cupy.empty((1, 9, 64), np.float32), cupy)
-    np.testing.assert_allclose(out.get(), attend(q, kv, kv_len, scale=0.125), rtol=1e-4, atol=1e-5)
+    k, v = kv[:kv_len, :, 0].astype(np.float64), kv[:kv_len, :, 1].astype(np.float64)
+    want = np.empty((9, 64))
+    for h in range(9):
+        sc = k[:, h // 3] @ q[0, h] * 0.125
+        p = np.exp(sc - sc.max())
+        want[h] = p @ v[:, h // 3] / p.sum()
+    np.testing.assert_allclose(out.get()[0], want, rtol=1e-4, atol=1e-5)
