@@ -19,6 +19,10 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 python3 -c "import numba, numba.cuda, cupy, numpy; print('numba', numba.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__)"
+if [ ! -f .gpu-carry/smollm2.pkl ] || [ ! -f .gpu-carry/gemma3.pkl ]; then
+    echo "gpu_check.sh: .gpu-carry is missing: run 'python bench/gpu_prep.py' where the models are, and carry it" >&2
+    exit 2
+fi
 for name in smollm2 gemma3; do
     python3 bench/shaped_model.py write .gpu-carry/$name.pkl .gpu-carry/$name.gguf
 done

@@ -7,6 +7,8 @@ needed, which is how its tests run. Install with `pip install 'npllama[cuda]'`.
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from ...errors import DeviceError
@@ -44,7 +46,13 @@ def array_module():
 
 
 def load(path, **options):
-    """A model on the CUDA device (see npllama.load): the same API, logits as NumPy arrays."""
+    """A model on the CUDA device (see npllama.load): the same API, logits as NumPy arrays.
+
+    On a GPU it silences numba-cuda's low-occupancy warning ("Grid size N will likely result in
+    GPU under-utilization"), for the process: a decode step's kernels are small grids by nature,
+    and the warning would otherwise print for each of them."""
     xp = array_module()
+    if xp is not np:
+        warnings.filterwarnings("ignore", message=r".*Grid size \d+ will likely result in GPU under-utilization")
     from .model import CudaModel
     return CudaModel(path, xp=xp, **options)
