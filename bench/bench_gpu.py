@@ -95,8 +95,8 @@ def gpu_us(model, fn, n: int = 20) -> float:
     """GPU microseconds of one fn() (launches on the model's stream): n calls captured as a
     CUDA graph and replayed between events, so no host time counts."""
     import cupy
-    s = model.stream
-    with s:
+    s = model.stream.cupy
+    with model.stream:
         fn()
         s.begin_capture()
         for _ in range(n):
@@ -126,11 +126,11 @@ def breakdown(model, ids) -> None:
     step = (time.perf_counter() - t0) / 50 * 1e6
     g = s.cache.graph
     with model.stream:
-        g.graph.launch(model.stream)
+        g.graph.launch(model.stream.cupy)
         model.stream.synchronize()
         t0 = time.perf_counter()
         for _ in range(50):
-            g.graph.launch(model.stream)
+            g.graph.launch(model.stream.cupy)
         model.stream.synchronize()
     replay = (time.perf_counter() - t0) / 50 * 1e6
     print(f"decode step: {step:.0f} us through the session, {replay:.0f} us the graph's replay alone")

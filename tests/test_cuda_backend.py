@@ -92,3 +92,44 @@ def test_cli_device_flag_without_a_device(monkeypatch, capsys, tiny_model_path):
     monkeypatch.setitem(sys.modules, "cupy", None)
     assert main(["run", "hi", "-n", "2", "--device", "cuda", "-m", str(tiny_model_path)]) == 1
     assert "needs CuPy" in capsys.readouterr().err
+
+
+def test_the_models_stream_is_entered_by_one_thread_at_a_time():
+    """A GPU model's stream (a CuPy stream in _Stream) admits one thread at a time: another
+    thread's launches would otherwise join a decode graph's capture."""
+    import threading
+    import time
+    from npllama.backends.cuda.model import _Stream
+
+    class Fake:  # a CuPy stream's context protocol, recording who is inside
+        inside, most, log = 0, 0, []
+
+        def __enter__(self):
+            Fake.inside += 1
+            Fake.most = max(Fake.most, Fake.inside)
+
+        def __exit__(self, *exc):
+            Fake.inside -= 1
+
+        def synchronize(self):
+            Fake.log.append("sync")
+
+    stream = _Stream(Fake())
+
+    def work():
+        with stream:
+            with stream:  # re-entered by the same thread (a cache growing inside a pass)
+                time.sleep(0.01)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stream.synchronize()
+    assert (Fake.most, Fake.inside, Fake.log) == (2, 0, ["sync"])  # two: the one thread, nested
+    with pytest.raises(KeyError):
+        with stream:
+            raise KeyError("x")
+    assert stream._lock.acquire(blocking=False)  # released after an error inside
+    stream._lock.release()

@@ -220,8 +220,34 @@ class DeviceOps(block.Ops):
                            xp, stream=self.stream)
 
 
+class _Stream:
+    """The model's CUDA stream (`cupy`, a CuPy stream), made current by one thread at a time:
+    another thread's launches on it would otherwise join a decode graph's capture."""
+
+    def __init__(self, cupy_stream):
+        self.cupy, self._lock = cupy_stream, threading.RLock()
+
+    def __enter__(self):
+        self._lock.acquire()
+        try:
+            self.cupy.__enter__()
+        except BaseException:
+            self._lock.release()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            return self.cupy.__exit__(*exc)
+        finally:
+            self._lock.release()
+
+    def synchronize(self):
+        self.cupy.synchronize()
+
+
 class _NoStream:
-    """The simulator's stand-in for a CuPy stream: everything runs in order already."""
+    """The simulator's stand-in for `_Stream`: everything runs in order already."""
 
     def __enter__(self):
         return self
@@ -271,8 +297,8 @@ class CudaModel(Model):
             self.stream, self.launch_stream, self.graphs = _NoStream(), 0, False
         else:
             from numba import cuda
-            self.stream = xp.cuda.Stream(non_blocking=True)
-            self.launch_stream = cuda.external_stream(self.stream.ptr)
+            self.stream = _Stream(xp.cuda.Stream(non_blocking=True))
+            self.launch_stream = cuda.external_stream(self.stream.cupy.ptr)
             self.graphs = os.environ.get("NPLLAMA_CUDA_GRAPHS", "1") != "0"
         with self.stream:
             self.device_weights = {w.name: upload(w, xp) for w in self.product_weights()}
@@ -322,7 +348,7 @@ class CudaModel(Model):
         try:
             with self.stream:
                 out = None
-                if self.graphs and len(ids) == 1 and output == "logits":
+                if self.graphs and len(ids) == 1 and output == "logits" and not all_logits:
                     out = self._decode(ids, cache)
                 if out is None:
                     ops = DeviceOps(self, cache, xp.asarray(positions), -(-(pos + len(ids)) // K.SPLIT))
@@ -364,7 +390,7 @@ class CudaModel(Model):
             cache.graph = g
         g.x.set(block.embed(self, ids))
         g.positions.set(np.array([pos], np.int64))
-        g.graph.launch(self.stream)
+        g.graph.launch(self.stream.cupy)
         return g.out
 
     def _decode_pass(self, ids, cache, *, xp_positions, x=None):
@@ -382,11 +408,11 @@ class CudaModel(Model):
         with cupy.cuda.using_allocator(pool.malloc):
             x = xp.empty((1, self.config.n_embd), np.float32)
             positions = xp.zeros(1, np.int64)
-            self.stream.begin_capture(getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None))
+            self.stream.cupy.begin_capture(getattr(cupy.cuda.runtime, "streamCaptureModeRelaxed", None))
             try:
                 out = self._decode_pass(None, cache, xp_positions=positions, x=x)
             finally:
-                graph = self.stream.end_capture()
+                graph = self.stream.cupy.end_capture()
         return _DecodeGraph(key, graph, x, positions, out, pool)
 
     def forward(self, ids, pos: int, cache, *, all_logits: bool = False, output: str = "logits",
