@@ -12,6 +12,7 @@ needs on a GPU machine that has no network and takes at most 64 MiB along:
 from __future__ import annotations
 
 import hashlib
+import pickle
 import subprocess
 import sys
 import tempfile
@@ -52,7 +53,7 @@ def main():
     out.mkdir(exist_ok=True)
     for name, known in (("smollm2", "smollm2"), ("gemma3", "gemma3-270m")):
         spec = shaped_model.spec(known_model_path(known))
-        (out / f"{name}.pkl").write_bytes(__import__("pickle").dumps(spec))
+        (out / f"{name}.pkl").write_bytes(pickle.dumps(spec))
         with tempfile.TemporaryDirectory() as tmp:
             path = shaped_model.write(spec, Path(tmp) / f"{name}.gguf")
             np.savez(out / f"{name}.npz", **reference(path))

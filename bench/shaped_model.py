@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import pickle
 import sys
+from pathlib import Path
 
 import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as VT
 
-# bytes a block, and where its float16 scales lie (gguf's block layouts)
-SCALES = {QT.Q4_0: (18, slice(0, 2)), QT.Q4_1: (20, slice(0, 4)), QT.Q5_0: (22, slice(0, 2)),
-          QT.Q5_1: (24, slice(0, 4)), QT.Q8_0: (34, slice(0, 2)), QT.Q4_K: (144, slice(0, 4)),
-          QT.Q5_K: (176, slice(0, 4)), QT.Q6_K: (210, slice(208, 210)), QT.Q3_K: (110, slice(108, 110)),
-          QT.Q2_K: (84, slice(80, 84))}
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from tinygguf import random_blocks  # noqa: E402
+
 _SKIP = ("GGUF.", "general.alignment")  # the writer's own fields
 
 
@@ -37,14 +36,6 @@ def spec(path) -> dict:
         fields.append((f.name, f.contents(), f.types[0], sub))
     tensors = [(t.name, [int(n) for n in t.shape], QT(t.tensor_type)) for t in r.tensors]
     return {"arch": r.fields["general.architecture"].contents(), "fields": fields, "tensors": tensors}
-
-
-def random_blocks(qtype: QT, n_blocks: int, rng) -> np.ndarray:
-    """`n_blocks` random blocks of `qtype` whose float16 scales lie in [0.001, 0.01]."""
-    size, at = SCALES[qtype]
-    raw = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
-    raw[:, at] = rng.uniform(0.001, 0.01, (n_blocks, (at.stop - at.start) // 2)).astype(np.float16).view(np.uint8)
-    return raw
 
 
 def write(s: dict, out, seed: int = 0):

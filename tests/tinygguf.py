@@ -17,6 +17,22 @@ CHAT_TEMPLATE = (
 )
 
 
+# bytes a block, and where its float16 scales lie (gguf's block layouts)
+SCALES = {QT.Q4_0: (18, slice(0, 2)), QT.Q4_1: (20, slice(0, 4)), QT.Q5_0: (22, slice(0, 2)),
+          QT.Q5_1: (24, slice(0, 4)), QT.Q8_0: (34, slice(0, 2)), QT.Q4_K: (144, slice(0, 4)),
+          QT.Q5_K: (176, slice(0, 4)), QT.Q6_K: (210, slice(208, 210)), QT.Q3_K: (110, slice(108, 110)),
+          QT.Q2_K: (84, slice(80, 84))}
+
+
+def random_blocks(qtype: QT, n_blocks: int, rng, high: float = 0.01) -> np.ndarray:
+    """`n_blocks` random blocks of `qtype` (uint8, (n_blocks, bytes a block)) whose float16
+    scales lie in [0.001, high]: the K-quants, which gguf cannot quantize to, or any type."""
+    size, at = SCALES[qtype]
+    raw = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
+    raw[:, at] = rng.uniform(0.001, high, (n_blocks, (at.stop - at.start) // 2)).astype(np.float16).view(np.uint8)
+    return raw
+
+
 def _byte_to_unicode() -> list[str]:
     """GPT-2's printable stand-in for each byte value, in byte order."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))

@@ -10,11 +10,11 @@ from npllama.arch.weights import QWeight
 from npllama.backends.cuda import kernels as K
 from npllama.backends.cuda import simulated
 from npllama.backends.cuda.model import upload
+from tinygguf import random_blocks
 
 assert simulated(), "run with NUMBA_ENABLE_CUDASIM=1"
 RNG = np.random.default_rng(0)
-K_QUANTS = {QT.Q4_K: (144, slice(0, 4)), QT.Q5_K: (176, slice(0, 4)), QT.Q6_K: (210, slice(208, 210)),
-            QT.Q3_K: (110, slice(108, 110)), QT.Q2_K: (84, slice(80, 84))}  # bytes a super-block, its float16 scales
+K_QUANTS = (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q3_K, QT.Q2_K)
 
 
 def weight(qtype, rows, cols):
@@ -26,11 +26,7 @@ def weight(qtype, rows, cols):
         h = w.astype(np.float16)
         return QWeight("w", h.view(np.uint8).reshape(rows, -1), qtype, rows, cols), h.astype(np.float64)
     if qtype in K_QUANTS:  # gguf cannot quantize to them: random blocks, with sane float16 scales
-        size, at = K_QUANTS[qtype]
-        raw = RNG.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
-        raw[:, :, at] = RNG.uniform(0.001, 0.1, (rows, cols // 256, len(range(*at.indices(size))) // 2)
-                                    ).astype(np.float16).view(np.uint8)
-        raw = raw.reshape(rows, -1)
+        raw = random_blocks(qtype, rows * (cols // 256), RNG, high=0.1).reshape(rows, -1)
         return QWeight("w", raw, qtype, rows, cols), gq.dequantize(raw, qtype).astype(np.float64)
     raw = gq.quantize(w, qtype)
     return QWeight("w", raw, qtype, rows, cols), gq.dequantize(raw, qtype).astype(np.float64)

@@ -144,9 +144,11 @@ class DeviceKVCache(KVCache):
         return self._xp.empty((self.n_layers, capacity, self.n_kv_heads, 2, self.head_dim), dtype=self.dtype)
 
     def ensure_capacity(self, n: int) -> None:
+        before = self.capacity
         with self._stream:
             super().ensure_capacity(n)
-        self._stream.synchronize()
+        if self.capacity != before:  # waits only after a copy, not on every decode step
+            self._stream.synchronize()
 
     def append(self, layer: int, k, v) -> int:
         layer = self._check_layer(layer)
