@@ -64,7 +64,8 @@ run at the memory's bandwidth.
 The integer sums are exact, and every activation row's float operations are the same whatever
 the tile size, so a row's products do not depend on the other rows beside it (batched passes
 equal single runs bit for bit). The dot is vpdpbusd where the CPU has AVX512-VNNI, two 256-bit
-ones with AVX-VNNI, else portable IR (widening multiplies; `_make_panel_dots(isa)` builds any).
+ones with AVX-VNNI, vpmaddubsw + vpmaddwd with AVX2 (a Q8_0 byte in two parts, so that no pair
+sum saturates), else portable IR (widening multiplies; `_make_panel_dots(isa)` builds any).
 
 Njit level (C-contiguous arrays, nothing raises):
 
@@ -421,9 +422,9 @@ def quantize_rows(x) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
 # The micro-kernels
 # ---------------------------------------------------------------------------------------
 
-def _ir_dpbusd(builder, acc, u, s, isa):
+def _ir_dpbusd(builder, acc, u, s, isa, wide):
     """acc (<16 x i32>) + the sums of 4 consecutive products u_j s_j in each lane, for <64 x i8>
-    u (unsigned) and s (signed)."""
+    u (unsigned: below 128 unless `wide`) and s (signed)."""
     v16 = _vec(_I32, 16)
     if isa == "vnni512":
         return _ir_call(builder, "llvm.x86.avx512.vpdpbusd.512", v16,
@@ -438,6 +439,28 @@ def _ir_dpbusd(builder, acc, u, s, isa):
                                    [a, builder.bitcast(_shuffle(builder, u, u, idx), v8),
                                     builder.bitcast(_shuffle(builder, s, s, idx), v8)]))
         return _shuffle(builder, halves[0], halves[1], list(range(16)))
+    if isa == "avx2":
+        # vpmaddubsw sums pairs u_j s_j in i16, which u < 128 keeps from saturating; a wide u
+        # is taken as its low 7 bits plus 128 times its top bit. vpmaddwd then sums pairs of
+        # those in i32 (times 1, or 128 for the top bits). The portable IR's 64 x i32 products
+        # took LLVM minutes to compile for AVX2 in the panel kernels; these take seconds.
+        parts = [(u, 1)]
+        if wide:
+            parts = [(builder.and_(u, _const_vec(_I8, 64, 127)), 1),
+                     (builder.lshr(u, _const_vec(_I8, 64, 7)), 128)]
+        halves = []
+        for h in range(2):
+            idx = list(range(32 * h, 32 * h + 32))
+            sh = _shuffle(builder, s, s, idx)
+            lane = None
+            for part, weight in parts:
+                pairs = _ir_call(builder, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16),
+                                 [_shuffle(builder, part, part, idx), sh])
+                quads = _ir_call(builder, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8),
+                                 [pairs, _const_vec(_I16, 16, weight)])
+                lane = quads if lane is None else builder.add(lane, quads)
+            halves.append(lane)
+        return builder.add(acc, _shuffle(builder, halves[0], halves[1], list(range(16))))
     v64 = _vec(_I32, 64)
     p = builder.mul(builder.zext(u, v64), builder.sext(s, v64), flags=["nsw"])
     for i in range(4):
@@ -524,7 +547,8 @@ def _make_panel_dots(isa: str):
                     j = (half if groups == 4 else k) % nsum
                     for p in range(P):
                         for t in range(tt):
-                            isum[p][j][t] = _ir_dpbusd(builder, isum[p][j][t], u, x4(t, col, p), isa)
+                            isum[p][j][t] = _ir_dpbusd(builder, isum[p][j][t], u, x4(t, col, p), isa,
+                                                       groups == 8)
             for t in range(tt):
                 at = builder.add(brow[t], b)
                 # per plane: the block's (or each half's) integer sums, and the sums of x that
