@@ -693,7 +693,8 @@ def _decode_step(token, pos, n_chunks, buffer, panels, table, attn_norm, ffn_nor
     pl = part_l[:n_part].reshape(n_layer, n_chunks, KVH, G)
     pa = part_acc[:n_part * D].reshape(n_layer, n_chunks, KVH, G, D)
     ctr[:_slot(n_layer + 1, 0, n_threads)] = 0
-    for home in prange(n_threads):
+    for t in prange(n_threads):
+        home = np.int64(t)  # prange's index is unsigned in the parallel region: one signature of _worker
         _worker(ctr, home, n_threads, token, pos, buffer, panels, table, attn_norm, ffn_norm, bq, bk, bv, q_norm,
                 k_norm, post_attn, post_ffn, lcfg, act, embd_scale, kvs, pages, ps, cos, sin, neox, eps, scale, H,
                 out_norm, logits, res, offs, pm, pl, pa, f32[home], i8[home], n_items[home])

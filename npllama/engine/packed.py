@@ -88,7 +88,8 @@ def _layers(x, positions, slots, tables, blk_seq, blk_row, blk_pos, blk_len, buf
     ctr = np.empty((n_layer * _PHASES + 1) * phase_size(nt), np.int64)
     for i in range(ctr.shape[0]):  # a loop, which stays serial (np.zeros would be a region of its own)
         ctr[i] = 0
-    for home in prange(nt):
+    for t in prange(nt):
+        home = np.int64(t)  # prange's index is unsigned in the parallel region: one signature of _worker
         _worker(home, nt, ctr, x, positions, slots, tables, blk_seq, blk_row, blk_pos, blk_len, buffer, panels,
                 table, attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm, post_attn, post_ffn, lcfg, act, kvs, cos,
                 sin, neox, eps, scale, xe, xa, xf, h, q, k, v, qn, kn, a, o, f, d)

@@ -647,7 +647,8 @@ def _store(tmp, out, p, rows):
 @njit(parallel=True, cache=True)
 def _matmul_panels(code, pw, rows, xr, out):
     """out (T, rows) = x @ W.T for the panels `pw` of a weight of `rows` rows, parallel over panels."""
-    for p in prange(pw.shape[0]):
+    for i in prange(pw.shape[0]):
+        p = np.int64(i)  # prange's index is unsigned in the parallel region: one signature of the callees
         tmp = np.empty((xr[0].shape[0], PANEL), np.float32)
         _panel_rows(code, pw, p, xr, tmp)
         _store(tmp, out, p, rows)
@@ -657,7 +658,8 @@ def _matmul_panels(code, pw, rows, xr, out):
 def _qkv_panels(cq, pq, ck, pk, cv, pv, xr, q, k, v):
     """q, k, v = x @ Wq.T, x @ Wk.T, x @ Wv.T in one parallel region over all their panels."""
     nq, nk = pq.shape[0], pk.shape[0]
-    for c in prange(nq + nk + pv.shape[0]):
+    for i in prange(nq + nk + pv.shape[0]):
+        c = np.int64(i)  # as in _matmul_panels
         tmp = np.empty((xr[0].shape[0], PANEL), np.float32)
         if c < nq:
             _panel_rows(cq, pq, c, xr, tmp)
@@ -674,7 +676,8 @@ def _qkv_panels(cq, pq, ck, pk, cv, pv, xr, q, k, v):
 def _gate_up_panels(cg, pg, cu, pu, xr, out, act):
     """out = act(x @ Wg.T) * (x @ Wu.T), the GLU fused per panel (act: a code of nn.ACTS)."""
     T, rows = out.shape
-    for p in prange(pg.shape[0]):
+    for j in prange(pg.shape[0]):
+        p = np.int64(j)  # as in _matmul_panels
         g = np.empty((T, PANEL), np.float32)
         u = np.empty((T, PANEL), np.float32)
         _panel_rows(cg, pg, p, xr, g)
