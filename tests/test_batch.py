@@ -61,6 +61,23 @@ def test_packed_batch_equals_single_sessions_q8(q8_model):
     check_batch_equals_sessions(q8_model, 4)
 
 
+def test_parallel_workers_compile_once(q8_model):
+    """The parallel regions' workers take their index as a signed integer. prange's index is
+    unsigned inside a region and signed where Numba first types the loop, so a worker called
+    with it compiled twice (the decode step's: minutes on a 2-core Zen 3)."""
+    from numba import types
+    from npllama.engine import decode, packed
+    from npllama.kernels import panels
+    check_batch_equals_sessions(q8_model, 4)  # the decode step, the packed pass, the panel products
+    wq = q8_model.layers[0].wq
+    panels.matmul_panels(panels.pack_panels(wq.data, wq.qtype), wq.qtype, wq.rows,
+                         np.ones((2, q8_model.config.n_embd), np.float32))
+    for worker, index in ((decode._worker, 1), (packed._worker, 0), (panels._panel_rows, 2), (panels._store, 2)):
+        assert worker.signatures, worker
+        for sig in worker.signatures:
+            assert sig[index] == types.int64, (worker, sig[index])
+
+
 @pytest.mark.parametrize("activations", ["int8", "f32"])
 @pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_1])
 def test_packed_pass_does_not_depend_on_the_batch(tmp_path, qtype, activations):
