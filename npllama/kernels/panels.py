@@ -95,7 +95,7 @@ from numba.extending import intrinsic, overload
 from .nn import _glu1
 from .quants import (_F32T, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q4_K, _Q5_0, _Q5_1, _Q5_K, _Q6_K, _Q8_0, _const_vec,
                      _ir_call, _ir_load, _ir_prefetch, _ir_splat, _is_c_array, _shuffle, _vec)
-from .quants_int8 import DOT_ISA, _ir_f16_vec, _quantize_x_q8
+from .quants_int8 import DOT_ISA, _ir_dot_us, _ir_f16_vec, _quantize_x_q8
 
 __all__ = ["PANEL", "has_panels", "panel_shape", "pack_panels", "quantize_rows", "quantize_rows_i24", "activation_rows",
            "matmul_panels"]
@@ -440,26 +440,21 @@ def _ir_dpbusd(builder, acc, u, s, isa, wide):
                                     builder.bitcast(_shuffle(builder, s, s, idx), v8)]))
         return _shuffle(builder, halves[0], halves[1], list(range(16)))
     if isa == "avx2":
-        # vpmaddubsw sums pairs u_j s_j in i16, which u < 128 keeps from saturating; a wide u
-        # is taken as its low 7 bits plus 128 times its top bit. vpmaddwd then sums pairs of
-        # those in i32 (times 1, or 128 for the top bits). The portable IR's 64 x i32 products
-        # took LLVM minutes to compile for AVX2 in the panel kernels; these take seconds.
-        parts = [(u, 1)]
+        # quants_int8's vpmaddubsw + vpmaddwd on each 32-byte half. Its i16 pair sums cannot
+        # saturate for u < 128; a wide u is taken as its low 7 bits plus 128 times its top bit.
+        # The portable IR's 64 x i32 products took LLVM minutes to compile for AVX2 in the
+        # panel kernels; these take seconds.
+        parts = [u]
         if wide:
-            parts = [(builder.and_(u, _const_vec(_I8, 64, 127)), 1),
-                     (builder.lshr(u, _const_vec(_I8, 64, 7)), 128)]
+            parts = [builder.and_(u, _const_vec(_I8, 64, 127)), builder.lshr(u, _const_vec(_I8, 64, 7))]
         halves = []
         for h in range(2):
             idx = list(range(32 * h, 32 * h + 32))
             sh = _shuffle(builder, s, s, idx)
-            lane = None
-            for part, weight in parts:
-                pairs = _ir_call(builder, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16),
-                                 [_shuffle(builder, part, part, idx), sh])
-                quads = _ir_call(builder, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8),
-                                 [pairs, _const_vec(_I16, 16, weight)])
-                lane = quads if lane is None else builder.add(lane, quads)
-            halves.append(lane)
+            lanes = [_ir_dot_us(builder, _shuffle(builder, part, part, idx), sh, isa) for part in parts]
+            if wide:
+                lanes = [builder.add(lanes[0], builder.shl(lanes[1], _const_vec(_I32, 8, 7)))]
+            halves.append(lanes[0])
         return builder.add(acc, _shuffle(builder, halves[0], halves[1], list(range(16))))
     v64 = _vec(_I32, 64)
     p = builder.mul(builder.zext(u, v64), builder.sext(s, v64), flags=["nsw"])
