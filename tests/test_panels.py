@@ -11,6 +11,7 @@ from numba import njit
 
 from npllama.kernels import panels as P
 from npllama.kernels.nn import ACTS
+from test_quants import SCALE_OFFSETS
 from test_quants_int8 import full_range_weight, ref_quantize, runnable_isas
 
 TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
@@ -75,6 +76,45 @@ def test_products_every_isa(isa, qtype, int8):
         out = np.full((T, rows), np.nan, np.float32)
         panel_kernel(isa)(int(qtype), P.pack_panels(data, qtype), rows, P.activation_rows(x, int8), out)
         assert_close(out, data, qtype, rows, x, int8)
+
+
+def handmade_rows(digits, d):
+    """Activation rows (xq, xd, xs, xi) with every value of row t's plane p equal to
+    digits[t][p] (int8: one plane; int24: three) and scale d, and the float64 x they stand for."""
+    q = np.asarray(digits, np.int64)[:, :, None] * np.ones(d.shape[1] * 32, np.int64)
+    T, planes, n = q.shape
+    value = (q * (256 ** np.arange(planes - 1, -1, -1))[:, None]).sum(1)  # 65536 q1 + 256 q2 + q3
+    xq = q.astype(np.int8) if planes == 3 else q[:, 0].astype(np.int8)
+    xi = q.reshape(T, planes, n // 16, 16).sum(-1).astype(np.int32)
+    xs = (d * value.reshape(T, -1, 32).sum(-1)).astype(np.float32)
+    x = value * np.repeat(d.astype(np.float64), 32, axis=1)
+    return (xq, d, xs, xi if planes == 3 else xi[:, 0]), x
+
+
+@pytest.mark.parametrize("int8", MODES, ids=mode_id)
+@pytest.mark.parametrize("isa", runnable_isas())
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_largest_integer_sums_every_isa(isa, qtype, int8):
+    """Every quant at its largest (all bytes 0xFF; Q8_0 0x7F) or other extremes (0x00, 0x80)
+    against activations whose every digit is at an end of its range (int8: +-127; int24's
+    planes: +-126, then 127 or -128): the largest integer sums, which no instruction set may
+    saturate or wrap (AVX2 adds vpmaddubsw's i16 pair sums in i16 before widening them)."""
+    _, size = GGML_QUANT_SIZES[qtype]
+    blocks = 2
+    data = np.zeros((3, blocks, size), np.uint8)
+    data[0], data[1], data[2] = (0x7F if qtype == QT.Q8_0 else 0xFF), 0x00, 0x80
+    for i, o in enumerate(SCALE_OFFSETS[qtype]):
+        data[..., o:o + 2] = np.array([0.5 if i == 0 else -0.25], np.float16).view(np.uint8)
+    data = data.reshape(3, -1)
+    digits = [[127], [-127], [127], [-127]] if int8 else [[126, 127, 127], [-126, -128, -128], [126, -128, -128],
+                                                           [-126, 127, 127]]
+    d = np.array([[0.5], [0.25], [2.0 ** -10], [3.0]], np.float32) * np.ones((1, cols(qtype, blocks) // 32), np.float32)
+    xr, x = handmade_rows(digits, d)
+    out = np.full((4, 3), np.nan, np.float32)
+    panel_kernel(isa)(int(qtype), P.pack_panels(data, qtype), 3, xr, out)
+    w = gguf.quants.dequantize(data, qtype).reshape(3, -1).astype(np.float64)
+    assert np.isfinite(w).all()
+    np.testing.assert_array_less(np.abs(out - x @ w.T), 2e-6 * (np.abs(x) @ np.abs(w).T) + 1e-30)
 
 
 @pytest.mark.parametrize("int8", MODES, ids=mode_id)

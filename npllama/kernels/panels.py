@@ -64,8 +64,8 @@ run at the memory's bandwidth.
 The integer sums are exact, and every activation row's float operations are the same whatever
 the tile size, so a row's products do not depend on the other rows beside it (batched passes
 equal single runs bit for bit). The dot is vpdpbusd where the CPU has AVX512-VNNI, two 256-bit
-ones with AVX-VNNI, vpmaddubsw + vpmaddwd with AVX2 (a Q8_0 byte in two parts, so that no pair
-sum saturates), else portable IR (widening multiplies; `_make_panel_dots(isa)` builds any).
+ones with AVX-VNNI, vpmaddubsw with AVX2 (its i16 pair sums added up in i16 while they cannot
+overflow, then widened by one vpmaddwd; a Q8_0 byte as two nibbles), else portable IR (widening multiplies; `_make_panel_dots(isa)` builds any).
 
 Njit level (C-contiguous arrays, nothing raises):
 
@@ -95,7 +95,7 @@ from numba.extending import intrinsic, overload
 from .nn import _glu1
 from .quants import (_F32T, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q4_K, _Q5_0, _Q5_1, _Q5_K, _Q6_K, _Q8_0, _const_vec,
                      _ir_call, _ir_load, _ir_prefetch, _ir_splat, _is_c_array, _shuffle, _vec)
-from .quants_int8 import DOT_ISA, _ir_dot_us, _ir_f16_vec, _quantize_x_q8
+from .quants_int8 import DOT_ISA, _ir_f16_vec, _quantize_x_q8
 
 __all__ = ["PANEL", "has_panels", "panel_shape", "pack_panels", "quantize_rows", "quantize_rows_i24", "activation_rows",
            "matmul_panels"]
@@ -422,9 +422,9 @@ def quantize_rows(x) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
 # The micro-kernels
 # ---------------------------------------------------------------------------------------
 
-def _ir_dpbusd(builder, acc, u, s, isa, wide):
+def _ir_dpbusd(builder, acc, u, s, isa):
     """acc (<16 x i32>) + the sums of 4 consecutive products u_j s_j in each lane, for <64 x i8>
-    u (unsigned: below 128 unless `wide`) and s (signed)."""
+    u (unsigned) and s (signed), by vpdpbusd or portable IR (AVX2: `_Pairs`)."""
     v16 = _vec(_I32, 16)
     if isa == "vnni512":
         return _ir_call(builder, "llvm.x86.avx512.vpdpbusd.512", v16,
@@ -439,28 +439,43 @@ def _ir_dpbusd(builder, acc, u, s, isa, wide):
                                    [a, builder.bitcast(_shuffle(builder, u, u, idx), v8),
                                     builder.bitcast(_shuffle(builder, s, s, idx), v8)]))
         return _shuffle(builder, halves[0], halves[1], list(range(16)))
-    if isa == "avx2":
-        # quants_int8's vpmaddubsw + vpmaddwd on each 32-byte half. Its i16 pair sums cannot
-        # saturate for u < 128; a wide u is taken as its low 7 bits plus 128 times its top bit.
-        # The portable IR's 64 x i32 products took LLVM minutes to compile for AVX2 in the
-        # panel kernels; these take seconds.
-        parts = [u]
-        if wide:
-            parts = [builder.and_(u, _const_vec(_I8, 64, 127)), builder.lshr(u, _const_vec(_I8, 64, 7))]
-        halves = []
-        for h in range(2):
-            idx = list(range(32 * h, 32 * h + 32))
-            sh = _shuffle(builder, s, s, idx)
-            lanes = [_ir_dot_us(builder, _shuffle(builder, part, part, idx), sh, isa) for part in parts]
-            if wide:
-                lanes = [builder.add(lanes[0], builder.shl(lanes[1], _const_vec(_I32, 8, 7)))]
-            halves.append(lanes[0])
-        return builder.add(acc, _shuffle(builder, halves[0], halves[1], list(range(16))))
     v64 = _vec(_I32, 64)
     p = builder.mul(builder.zext(u, v64), builder.sext(s, v64), flags=["nsw"])
     for i in range(4):
         acc = builder.add(acc, _shuffle(builder, p, p, list(range(i, 64, 4))), flags=["nsw"])
     return acc
+
+
+class _Pairs:
+    """AVX2's dots (no vpdpbusd): vpmaddubsw's i16 pair sums u_0 s_0 + u_1 s_1 of <64 x i8> u
+    (unsigned, at most `umax`) and s (signed), added up in i16 while no sum can pass 2^15 (for
+    s in -128..127: 8 of them for 4-bit u, 4 for 5-bit, 2 for 6-bit), then widened and added
+    into the <16 x i32> lanes by one vpmaddwd with a multiplier (1, or 16 for a Q8_0 byte's
+    high nibble). Against a vpmaddwd for every vpmaddubsw, that takes 7 of 16 multiplies out
+    of a 4-bit block's row of dots."""
+
+    def __init__(self, builder, umax, mult=1):
+        self.builder, self.limit, self.mult = builder, 32767 // (2 * 128 * umax), mult
+        self.acc, self.pend, self.count = ir.Constant(_vec(_I32, 16), [0] * 16), None, 0
+
+    def add(self, u, s):
+        b = self.builder
+        if self.count == self.limit:
+            self.flush()
+        halves = [_ir_call(b, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16),
+                           [_shuffle(b, v, v, list(range(32 * h, 32 * h + 32))) for v in (u, s)]) for h in range(2)]
+        self.pend = halves if self.pend is None else [b.add(a, h) for a, h in zip(self.pend, halves)]
+        self.count += 1
+
+    def flush(self):
+        """The lanes' i32 sums so far."""
+        b = self.builder
+        if self.pend is not None:
+            m = _const_vec(_I16, 16, self.mult)
+            lanes = [_ir_call(b, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [h, m]) for h in self.pend]
+            self.acc = b.add(self.acc, _shuffle(b, lanes[0], lanes[1], list(range(16))))
+            self.pend, self.count = None, 0
+        return self.acc
 
 
 def _make_panel_dots(isa: str):
@@ -521,11 +536,14 @@ def _make_panel_dots(isa: str):
                 w = _ir_load(builder, xrow[p][t], builder.add(xo, c(col)), _I32, 1)
                 return builder.bitcast(_ir_splat(builder, w, 16), v64b)
 
+            def nibble(v, i):  # the low (i 0) or high (1) nibbles of v's bytes
+                return builder.lshr(v, _const_vec(_I8, 64, 4)) if i else builder.and_(v, _const_vec(_I8, 64, 15))
+
             def parts(k):  # group k's unsigned weights as [(64 bytes, x's column of their first)]
                 v = _ir_load(builder, pp, builder.add(ob, c(64 * k)), v64b, 1)
                 if groups == 8:  # one element a byte
                     return [(v, 4 * k)]
-                ps = [builder.and_(v, _const_vec(_I8, 64, 15)), builder.lshr(v, _const_vec(_I8, 64, 4))]
+                ps = [nibble(v, 0), nibble(v, 1)]
                 for j in range(bits):  # bit 4 + j of the low nibbles' elements is bit k of h, the high's 4 + k
                     h = _ir_load(builder, pp, builder.add(ob, c(64 * (groups + j))), v64b, 1)
                     ps = [builder.or_(ps[i], move_bit(builder, h, 4 * i + k, 4 + j)) for i in range(2)]
@@ -534,16 +552,29 @@ def _make_panel_dots(isa: str):
             dw, mw = scales(builder, pp, builder.add(ob, c(64 * (groups + bits))), layout, has_m)
             # the integer sums: one a half (Q6_K), else one a block, in two chains in a tile of
             # one row of int8, whose one chain would wait on each dot's latency (a tile of 4
-            # rows, or int24's planes, have independent chains already)
-            nsum = 2 if halves or (tt == 1 and P == 1) else 1
-            isum = [[[ir.Constant(v16i, [0] * 16)] * tt for _ in range(nsum)] for _ in range(P)]
+            # rows, or int24's planes, have independent chains already; AVX2's chains of i16
+            # adds wait one cycle a dot)
+            nsum = 2 if halves or (tt == 1 and P == 1 and isa != "avx2") else 1
+            if isa == "avx2":  # a Q8_0 byte as its two nibbles, the high one's sums times 16
+                pairs = [[[[_Pairs(builder, (16 << bits) - 1, m) for m in ((1, 16) if groups == 8 else (1,))]
+                           for _ in range(tt)] for _ in range(nsum)] for _ in range(P)]
+            else:
+                isum = [[[ir.Constant(v16i, [0] * 16)] * tt for _ in range(nsum)] for _ in range(P)]
             for k in range(groups):
                 for half, (u, col) in enumerate(parts(k)):
                     j = (half if groups == 4 else k) % nsum
+                    us = [nibble(u, 0), nibble(u, 1)] if isa == "avx2" and groups == 8 else [u]
                     for p in range(P):
                         for t in range(tt):
-                            isum[p][j][t] = _ir_dpbusd(builder, isum[p][j][t], u, x4(t, col, p), isa,
-                                                       groups == 8)
+                            xv = x4(t, col, p)
+                            if isa == "avx2":
+                                for v, pr in zip(us, pairs[p][j][t]):
+                                    pr.add(v, xv)
+                            else:
+                                isum[p][j][t] = _ir_dpbusd(builder, isum[p][j][t], u, xv, isa)
+            if isa == "avx2":
+                isum = [[[builder.add(*(pr.flush() for pr in prs)) if len(prs) == 2 else prs[0].flush()
+                          for prs in chain] for chain in plane] for plane in pairs]
             for t in range(tt):
                 at = builder.add(brow[t], b)
                 # per plane: the block's (or each half's) integer sums, and the sums of x that
