@@ -110,11 +110,12 @@ def test_largest_integer_sums_every_isa(isa, qtype, int8):
                                                            [-126, 127, 127]]
     d = np.array([[0.5], [0.25], [2.0 ** -10], [3.0]], np.float32) * np.ones((1, cols(qtype, blocks) // 32), np.float32)
     xr, x = handmade_rows(digits, d)
-    out = np.full((4, 3), np.nan, np.float32)
-    panel_kernel(isa)(int(qtype), P.pack_panels(data, qtype), 3, xr, out)
-    w = gguf.quants.dequantize(data, qtype).reshape(3, -1).astype(np.float64)
+    pw, w = P.pack_panels(data, qtype), gguf.quants.dequantize(data, qtype).reshape(3, -1).astype(np.float64)
     assert np.isfinite(w).all()
-    np.testing.assert_array_less(np.abs(out - x @ w.T), 2e-6 * (np.abs(x) @ np.abs(w).T) + 1e-30)
+    for rows in (slice(0, 4), *(slice(t, t + 1) for t in range(4))):  # a tile of 4 rows, then tiles of one
+        out = np.full((rows.stop - rows.start, 3), np.nan, np.float32)
+        panel_kernel(isa)(int(qtype), pw, 3, tuple(a[rows] for a in xr), out)
+        np.testing.assert_array_less(np.abs(out - x[rows] @ w.T), 2e-6 * (np.abs(x[rows]) @ np.abs(w).T) + 1e-30)
 
 
 @pytest.mark.parametrize("int8", MODES, ids=mode_id)

@@ -65,7 +65,8 @@ The integer sums are exact, and every activation row's float operations are the 
 the tile size, so a row's products do not depend on the other rows beside it (batched passes
 equal single runs bit for bit). The dot is vpdpbusd where the CPU has AVX512-VNNI, two 256-bit
 ones with AVX-VNNI, vpmaddubsw with AVX2 (its i16 pair sums added up in i16 while they cannot
-overflow, then widened by one vpmaddwd; a Q8_0 byte as two nibbles), else portable IR (widening multiplies; `_make_panel_dots(isa)` builds any).
+overflow, then widened by one vpmaddwd; a Q8_0 byte as two nibbles), else portable IR
+(widening multiplies; `_make_panel_dots(isa)` builds any).
 
 Njit level (C-contiguous arrays, nothing raises):
 
@@ -451,8 +452,8 @@ class _Pairs:
     (unsigned, at most `umax`) and s (signed), added up in i16 while no sum can pass 2^15 (for
     s in -128..127: 8 of them for 4-bit u, 4 for 5-bit, 2 for 6-bit), then widened and added
     into the <16 x i32> lanes by one vpmaddwd with a multiplier (1, or 16 for a Q8_0 byte's
-    high nibble). Against a vpmaddwd for every vpmaddubsw, that takes 7 of 16 multiplies out
-    of a 4-bit block's row of dots."""
+    high nibble). A 4-bit block's 16 vpmaddubsw for one activation row take 2 vpmaddwd where
+    they took 16 (Zen 3 issues two of either a cycle)."""
 
     def __init__(self, builder, umax, mult=1):
         self.builder, self.limit, self.mult = builder, 32767 // (2 * 128 * umax), mult
