@@ -58,9 +58,11 @@ from the caches. With few rows (a batched decode pass's 16: four tiles) the firs
 on memory, which the hardware prefetcher alone did not hide. So the tiles of the first
 `_PREFETCH_ROWS` rows ask for the next panel's bytes as they read their own, the requests
 spread over those four tiles (one tile's requests alone did not help; every tile's at 128 rows
-did no better). A tile of one row (the decode step's) asks for nothing where the CPU has VNNI:
-there its products already ran at the memory's bandwidth. With AVX2 (measured on a Zen 3) it
-asks too: its products from memory took 0.75-0.97x the time.
+did no better). One activation row (the decode step's) has a kernel of its own, which asks
+for nothing where the CPU has VNNI: there its products already ran at the memory's bandwidth.
+With AVX2 (measured on a Zen 3) it asks too: its products from memory took 0.63-0.92x the
+time. (Asking from the one-row tiles of the kernel for several rows left those rows' code the
+same, instruction for instruction, yet made int24 products of 128 rows 1.1-1.5x slower.)
 
 The integer sums are exact, and every activation row's float operations are the same whatever
 the tile size, so a row's products do not depend on the other rows beside it (batched passes
@@ -480,11 +482,13 @@ class _Pairs:
         return self.acc
 
 
-def _make_panel_dots(isa: str):
+def _make_panel_dots(isa: str, one_row: bool = False):
     """The micro-kernels for `isa` (see quants_int8._dot_isa; the float32 one is the same IR
     everywhere), an intrinsic ``panel_dots(code, panel, xr, tmp)``: tmp[t, i] = dot(row i of
     the panel, x_t) for every activation row t (tmp: (T, 16) float32) of a weight of type
-    `code` (one with panels), xr int8 (4 arrays) or float32 (1 array)."""
+    `code` (one with panels), xr int8 (4 arrays) or float32 (1 array). With `one_row`, for
+    one activation row (the decode step's): tiles of one row that, with AVX2, prefetch the
+    next panel (the module's docstring)."""
     v16i, v16f, v64b = _vec(_I32, 16), _vec(_F32T, 16), _vec(_I8, 64)
 
     def scales(builder, pp, at, layout, has_m):  # the 16 rows' d, and their m or second d (_KINDS)
@@ -523,8 +527,8 @@ def _make_panel_dots(isa: str):
         brow = [builder.mul(r, nb) for r in rows]
         irow = [[builder.mul(builder.add(builder.mul(r, c(P)), c(p)), nb) for r in rows] for p in range(P)]
         acc = [cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for _ in range(tt)]
-        # whether this tile prefetches the next panel (the docstring); one-row tiles only with AVX2
-        ahead = builder.icmp_signed("<", t0, c(_PREFETCH_ROWS)) if tt > 1 or isa == "avx2" else None
+        # whether this tile prefetches the next panel (the docstring)
+        ahead = builder.icmp_signed("<", t0, c(_PREFETCH_ROWS)) if tt > 1 or (one_row and isa == "avx2") else None
         with cgutils.for_range(builder, nb) as loop:
             b = loop.index
             ob = builder.mul(b, c(pbs))
@@ -630,7 +634,7 @@ def _make_panel_dots(isa: str):
         for qt, kind in _CODES.items():
             with builder.if_then(builder.icmp_signed("==", code, ir.Constant(code.type, qt))):
                 done = c(0)
-                for tt in _TT:  # tiles of tt rows while tt rows are left
+                for tt in ((1,) if one_row else _TT):  # tiles of tt rows while tt rows are left
                     count = builder.sdiv(builder.sub(T, done), c(tt))
                     with cgutils.for_range(builder, count) as loop:
                         tile(builder, kind, arrays, builder.add(done, builder.mul(loop.index, c(tt))), tt, P)
@@ -655,13 +659,17 @@ def _make_panel_dots(isa: str):
 
 
 _panel_dots = _make_panel_dots(DOT_ISA)
+_panel_dots_one = _make_panel_dots(DOT_ISA, one_row=True)
 
 
 @njit(cache=True)
 def _panel_rows(code, pw, p, xr, tmp):
     """tmp[t, i] = dot(row 16 p + i of the weight whose panels are `pw`, x_t) for every
     activation row t of xr (tmp: (T, 16) float32)."""
-    _panel_dots(code, pw[p], xr, tmp)
+    if xr[0].shape[0] == 1:  # its own kernel (the module's docstring)
+        _panel_dots_one(code, pw[p], xr, tmp)
+    else:
+        _panel_dots(code, pw[p], xr, tmp)
 
 
 @njit(cache=True)
