@@ -32,7 +32,7 @@ from ..kernels.attention import _BLOCK, _CHUNK, _chunk_span, _decode_chunk, _mer
 from ..kernels.paged_attention import _paged_block
 from ..kernels.f16 import _st, bits
 from ..kernels.nn import ACTS, _glu1, _glu_row, _rmsnorm_row, _rope_row
-from ..kernels.panels import PANEL, _panel_dots, _quantize_into
+from ..kernels.panels import PANEL, _panel_dots_one, _quantize_into
 from ..kernels.quants import _block_sums, _deq_row, _rows_f32
 from ..kernels.quants_int8 import _has_i8, _rows_i8
 from ..kernels.workshare import _finish, _take, _wait, phase_size
@@ -267,7 +267,7 @@ def _rows(code, w, panels, r0, r1, x, xsum, xq, row, tmp, out):
     computes (tmp: (1, 16)), else w is GGUF rows (`_gguf_rows`)."""
     if panels:
         for p in range(r0, r1):
-            _panel_dots(code, w[p], xq, tmp)
+            _panel_dots_one(code, w[p], xq, tmp)
             for i in range(min(PANEL, out.shape[0] - p * PANEL)):
                 out[p * PANEL + i] = tmp[0, i]
     else:

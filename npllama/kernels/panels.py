@@ -58,11 +58,12 @@ from the caches. With few rows (a batched decode pass's 16: four tiles) the firs
 on memory, which the hardware prefetcher alone did not hide. So the tiles of the first
 `_PREFETCH_ROWS` rows ask for the next panel's bytes as they read their own, the requests
 spread over those four tiles (one tile's requests alone did not help; every tile's at 128 rows
-did no better). One activation row (the decode step's) has a kernel of its own, which asks
-for nothing where the CPU has VNNI: there its products already ran at the memory's bandwidth.
-With AVX2 (measured on a Zen 3) it asks too: its products from memory took 0.63-0.92x the
-time. (Asking from the one-row tiles of the kernel for several rows left those rows' code the
-same, instruction for instruction, yet made int24 products of 128 rows 1.1-1.5x slower.)
+did no better). One activation row (the decode step's) has a kernel of its own,
+`_panel_dots_one`, which asks for nothing where the CPU has VNNI: there its products already
+ran at the memory's bandwidth. With AVX2 (measured on a Zen 3) it asks too: its products from
+memory took 0.63-0.92x the time. (Asking from the one-row tiles of the kernel for several rows
+left those rows' code the same, instruction for instruction, yet made int24 products of 128
+rows 1.1-1.5x slower.)
 
 The integer sums are exact, and every activation row's float operations are the same whatever
 the tile size, so a row's products do not depend on the other rows beside it (batched passes
