@@ -28,11 +28,11 @@ def cols(qtype, blocks):
     return GGML_QUANT_SIZES[qtype][0] * blocks
 
 
-def panel_kernel(isa):
+def panel_kernel(isa, one_row=False):
     """njit (code, pw, rows, xr, out): `_matmul_panels` with the micro-kernels of `isa`
-    (serial, not cached)."""
-    if isa not in _KERNELS:
-        dots, W = P._make_panel_dots(isa), P.PANEL
+    (serial, not cached; `one_row`: the kernel for one activation row)."""
+    if (isa, one_row) not in _KERNELS:
+        dots, W = P._make_panel_dots(isa, one_row), P.PANEL
 
         @njit
         def run(code, pw, rows, xr, out):
@@ -43,8 +43,8 @@ def panel_kernel(isa):
                 for t in range(T):
                     for i in range(min(W, rows - p * W)):
                         out[t, p * W + i] = tmp[t, i]
-        _KERNELS[isa] = run
-    return _KERNELS[isa]
+        _KERNELS[isa, one_row] = run
+    return _KERNELS[isa, one_row]
 
 
 def reference(data, qtype, rows, x, int8):
@@ -67,15 +67,18 @@ def assert_close(out, data, qtype, rows, x, int8):
 @pytest.mark.parametrize("isa", runnable_isas())
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_products_every_isa(isa, qtype, int8):
-    """int8 and int24 activations with each instruction set, a block of outliers (x100) in row 0."""
+    """int8 and int24 activations with each instruction set, a block of outliers (x100) in row 0;
+    one activation row also by the kernel for one row (the decode step's)."""
     rng = np.random.default_rng(int(qtype))
-    for rows, blocks, T in ((1, 1, 1), (16, 1, 4), (17, 2, 5), (37, 3, 9), (5, 18, 3), (33, 7, 13), (20, 2, 29)):
+    for rows, blocks, T in ((1, 1, 1), (16, 1, 4), (17, 2, 5), (37, 3, 9), (5, 18, 3), (33, 7, 13), (20, 2, 29),
+                            (40, 9, 1)):
         data = full_range_weight(qtype, rows, blocks, rng)
         x = rng.normal(size=(T, cols(qtype, blocks))).astype(np.float32)
         x[0, :32] *= 100.0
-        out = np.full((T, rows), np.nan, np.float32)
-        panel_kernel(isa)(int(qtype), P.pack_panels(data, qtype), rows, P.activation_rows(x, int8), out)
-        assert_close(out, data, qtype, rows, x, int8)
+        for one_row in (False, True) if T == 1 else (False,):
+            out = np.full((T, rows), np.nan, np.float32)
+            panel_kernel(isa, one_row)(int(qtype), P.pack_panels(data, qtype), rows, P.activation_rows(x, int8), out)
+            assert_close(out, data, qtype, rows, x, int8)
 
 
 def handmade_rows(digits, d):
@@ -112,9 +115,10 @@ def test_largest_integer_sums_every_isa(isa, qtype, int8):
     xr, x = handmade_rows(digits, d)
     pw, w = P.pack_panels(data, qtype), gguf.quants.dequantize(data, qtype).reshape(3, -1).astype(np.float64)
     assert np.isfinite(w).all()
-    for rows in (slice(0, 4), *(slice(t, t + 1) for t in range(4))):  # a tile of 4 rows, then tiles of one
+    # a tile of 4 rows, then each row alone: in a tile of one, and by the kernel for one row
+    for rows, one_row in ((slice(0, 4), False), *((slice(t, t + 1), one) for t in range(4) for one in (False, True))):
         out = np.full((rows.stop - rows.start, 3), np.nan, np.float32)
-        panel_kernel(isa)(int(qtype), pw, 3, tuple(a[rows] for a in xr), out)
+        panel_kernel(isa, one_row)(int(qtype), pw, 3, tuple(a[rows] for a in xr), out)
         np.testing.assert_array_less(np.abs(out - x[rows] @ w.T), 2e-6 * (np.abs(x[rows]) @ np.abs(w).T) + 1e-30)
 
 
