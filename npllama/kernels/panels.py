@@ -455,31 +455,37 @@ class _Pairs:
     """AVX2's dots (no vpdpbusd): vpmaddubsw's i16 pair sums u_0 s_0 + u_1 s_1 of <64 x i8> u
     (unsigned, at most `umax`) and s (signed), added up in i16 while no sum can pass 2^15 (for
     s in -128..127: 8 of them for 4-bit u, 4 for 5-bit, 2 for 6-bit), then widened and added
-    into the <16 x i32> lanes by one vpmaddwd with a multiplier (1, or 16 for a Q8_0 byte's
-    high nibble). A 4-bit block's 16 vpmaddubsw for one activation row take 2 vpmaddwd where
-    they took 16 (Zen 3 issues two of either a cycle)."""
+    into the <16 x i32> lanes by one vpmaddwd with the dots' multiplier (1, or 16 for a Q8_0
+    byte's high nibble; each multiplier has its own i16 sums). A 4-bit block's 16 vpmaddubsw
+    for one activation row take 2 vpmaddwd where they took 16 (Zen 3 issues two of either a
+    cycle)."""
 
-    def __init__(self, builder, umax, mult=1):
-        self.builder, self.limit, self.mult = builder, 32767 // (2 * 128 * umax), mult
-        self.acc, self.pend, self.count = ir.Constant(_vec(_I32, 16), [0] * 16), None, 0
+    def __init__(self, builder, umax):
+        self.builder, self.limit = builder, 32767 // (2 * 128 * umax)
+        self.acc, self.pend = ir.Constant(_vec(_I32, 16), [0] * 16), {}  # multiplier: (i16 halves, count)
 
-    def add(self, u, s):
+    def add(self, u, s, mult=1):
         b = self.builder
-        if self.count == self.limit:
-            self.flush()
+        if self.pend.get(mult, (None, 0))[1] == self.limit:
+            self._widen(mult)
         halves = [_ir_call(b, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16),
                            [_shuffle(b, v, v, list(range(32 * h, 32 * h + 32))) for v in (u, s)]) for h in range(2)]
-        self.pend = halves if self.pend is None else [b.add(a, h) for a, h in zip(self.pend, halves)]
-        self.count += 1
+        if mult in self.pend:
+            old, count = self.pend[mult]
+            self.pend[mult] = ([b.add(a, h) for a, h in zip(old, halves)], count + 1)
+        else:
+            self.pend[mult] = (halves, 1)
+
+    def _widen(self, mult):
+        b = self.builder
+        m = _const_vec(_I16, 16, mult)
+        lanes = [_ir_call(b, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [h, m]) for h in self.pend.pop(mult)[0]]
+        self.acc = b.add(self.acc, _shuffle(b, lanes[0], lanes[1], list(range(16))))
 
     def flush(self):
         """The lanes' i32 sums so far."""
-        b = self.builder
-        if self.pend is not None:
-            m = _const_vec(_I16, 16, self.mult)
-            lanes = [_ir_call(b, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [h, m]) for h in self.pend]
-            self.acc = b.add(self.acc, _shuffle(b, lanes[0], lanes[1], list(range(16))))
-            self.pend, self.count = None, 0
+        for mult in list(self.pend):
+            self._widen(mult)
         return self.acc
 
 
@@ -562,26 +568,26 @@ def _make_panel_dots(isa: str, one_row: bool = False):
             # rows, or int24's planes, have independent chains already; AVX2's chains of i16
             # adds wait one cycle a dot)
             nsum = 2 if halves or (tt == 1 and P == 1 and isa != "avx2") else 1
-            if isa == "avx2":  # a Q8_0 byte as its two nibbles, the high one's sums times 16
-                pairs = [[[[_Pairs(builder, (16 << bits) - 1, m) for m in ((1, 16) if groups == 8 else (1,))]
-                           for _ in range(tt)] for _ in range(nsum)] for _ in range(P)]
+            if isa == "avx2":
+                umax = (16 << bits) - 1  # the largest unsigned weight a dot meets (a Q8_0 byte's nibbles: 15)
+                pairs = [[[_Pairs(builder, umax) for _ in range(tt)] for _ in range(nsum)] for _ in range(P)]
             else:
                 isum = [[[ir.Constant(v16i, [0] * 16)] * tt for _ in range(nsum)] for _ in range(P)]
             for k in range(groups):
                 for half, (u, col) in enumerate(parts(k)):
                     j = (half if groups == 4 else k) % nsum
-                    us = [nibble(u, 0), nibble(u, 1)] if isa == "avx2" and groups == 8 else [u]
+                    # AVX2: a Q8_0 byte as its two nibbles, the high one's sums times 16
+                    us = [(nibble(u, 0), 1), (nibble(u, 1), 16)] if isa == "avx2" and groups == 8 else [(u, 1)]
                     for p in range(P):
                         for t in range(tt):
                             xv = x4(t, col, p)
                             if isa == "avx2":
-                                for v, pr in zip(us, pairs[p][j][t]):
-                                    pr.add(v, xv)
+                                for v, mult in us:
+                                    pairs[p][j][t].add(v, xv, mult)
                             else:
                                 isum[p][j][t] = _ir_dpbusd(builder, isum[p][j][t], u, xv, isa)
             if isa == "avx2":
-                isum = [[[builder.add(*(pr.flush() for pr in prs)) if len(prs) == 2 else prs[0].flush()
-                          for prs in chain] for chain in plane] for plane in pairs]
+                isum = [[[pr.flush() for pr in chain] for chain in plane] for plane in pairs]
             for t in range(tt):
                 at = builder.add(brow[t], b)
                 # per plane: the block's (or each half's) integer sums, and the sums of x that
