@@ -3,7 +3,8 @@ import pytest
 
 from numba import njit
 
-from npllama.kernels.attention import (_BLOCK, _add_records, _add_values, _rescale, _score_block, _score_records,
+from npllama.kernels.attention import (_BLOCK, _add_records, _add_values, _make_add_records, _make_add_rows,
+                                      _make_score_records, _make_score_rows, _rescale, _score_block, _score_records,
                                       attend, attend_kv)
 from npllama.kernels.f16 import bits
 from npllama.cache.kvcache import KVCache
@@ -92,6 +93,47 @@ def test_block_routines_match_numpy(D):
     np.testing.assert_allclose(a, values, rtol=0, atol=2e-6 * (np.abs(a0) + np.abs(pv) @ np.abs(vb)).max())
 
 
+_SCORES = {keys: _make_score_rows(keys) for keys in (16, 8, 4)}
+_ADDS = {cols: _make_add_rows(cols) for cols in (64, 32, 16)}
+
+
+def _pass_routines(score, add):
+    @njit(fastmath=True)
+    def run(q, kb, vb, pv, s, a):
+        score(q, kb, s)
+        add(a, pv, vb)
+    return run
+
+
+_PASSES = {(keys, cols): _pass_routines(_SCORES[keys], _ADDS[cols]) for keys, cols in ((16, 64), (8, 32), (4, 16))}
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_block_routines_same_bits_at_every_pass_width(D):
+    """`_score_rows` at 16, 8 and 4 keys a pass and `_add_rows` at 64, 32 and 16 columns (the
+    module takes 16 and 64 with AVX-512, 4 and 32 without) give the same bits, and float64
+    NumPy's sums: a key's dot and a column's weighted sum are grouped the same in each."""
+    rng = np.random.default_rng(D)
+    q = rng.standard_normal(D).astype(np.float32)
+    kb = (rng.standard_normal((_BLOCK, D)) * rng.choice([1e-3, 1.0, 50.0], (_BLOCK, 1))).astype(np.float32)
+    vb = rng.standard_normal((_BLOCK, D)).astype(np.float32)
+    pv = rng.random(_BLOCK).astype(np.float32)
+    pv[5] = -0.5
+    a0 = rng.standard_normal(D).astype(np.float32)
+    got = []
+    for run in _PASSES.values():
+        s, a = np.full(_BLOCK, np.nan, np.float32), a0.copy()
+        run(q, kb, vb, pv, s, a)
+        got.append((s, a))
+    for s, a in got[1:]:
+        np.testing.assert_array_equal(s.view(np.uint32), got[0][0].view(np.uint32))
+        np.testing.assert_array_equal(a.view(np.uint32), got[0][1].view(np.uint32))
+    s, a = got[0]
+    np.testing.assert_allclose(s, kb.astype(np.float64) @ q, rtol=0, atol=2e-6 * (np.abs(kb) @ np.abs(q)).max())
+    np.testing.assert_allclose(a, a0 + pv.astype(np.float64) @ vb, rtol=0,
+                               atol=2e-6 * (np.abs(a0) + np.abs(pv) @ np.abs(vb)).max())
+
+
 @njit(fastmath=True)
 def _record_routines(q, kv, offs, n, pv, a, s):
     _score_records(q, kv, offs, s)
@@ -143,6 +185,45 @@ def test_record_routines_match_numpy_and_the_block_routines(dtype, G, D, n):
     _scratch_routines(q, rec.reshape(-1).astype(np.float32), offs, n, pv, a2, s2)
     np.testing.assert_array_equal(s[:, :n].view(np.uint32), s2[:, :n].view(np.uint32))
     np.testing.assert_array_equal(a.view(np.uint32), a2.view(np.uint32))
+
+
+def _records_pass(score, add):
+    @njit(fastmath=True)
+    def run(q, kv, offs, n, pv, a, s):
+        score(q, kv, offs, s)
+        add(a, pv, kv, offs + q.shape[1], n)
+    return run
+
+
+_RECORD_PASSES = [_records_pass(_make_score_records(keys), _make_add_records(cols, most))
+                  for keys, cols, most in (((8, 8, 8, 4), 16, 4), ((4, 4, 2, 2), 16, 2), ((1, 2, 4, 8), 32, 1))]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("G, D", [(1, 64), (3, 64), (4, 128), (7, 64)])
+def test_record_routines_same_bits_at_every_pass_width(dtype, G, D):
+    """`_score_records` with passes of 8 keys (4 for four heads; AVX-512's), of 4 and 2
+    (AVX2's) and of 1 to 8, and `_add_records` for heads in fours by 16 columns (AVX-512's),
+    in pairs (AVX2's) and one by one by 32 columns, give the same bits, and those of
+    `_score_block` and `_add_values`."""
+    rng = np.random.default_rng(G * 100 + D)
+    rec = (rng.standard_normal((40, 2, D)) * rng.choice([1e-3, 1.0, 30.0], (40, 1, 1))).astype(dtype)
+    offs = rng.permutation(40)[:_BLOCK].astype(np.int64) * 2 * D
+    q = rng.standard_normal((G, D)).astype(np.float32)
+    pv = rng.random((G, _BLOCK)).astype(np.float32)
+    a0 = rng.standard_normal((G, D)).astype(np.float32)
+    got = []
+    for run in _RECORD_PASSES:
+        s, a = np.full((G, _BLOCK), np.nan, np.float32), a0.copy()
+        run(q, bits(rec.reshape(-1)), offs, _BLOCK, pv, a, s)
+        got.append((s, a))
+    kb, vb = (rec[offs // (2 * D), i].astype(np.float32) for i in range(2))
+    for h in range(G):
+        s_ref, a_ref = np.full(_BLOCK, np.nan, np.float32), a0[h].copy()
+        _block_routines(q[h], kb, vb, pv[h], s_ref, a_ref)
+        for s, a in got:
+            np.testing.assert_array_equal(s[h].view(np.uint32), s_ref.view(np.uint32))
+            np.testing.assert_array_equal(a[h].view(np.uint32), a_ref.view(np.uint32))
 
 
 @pytest.mark.parametrize("R, G, D, n", [(1, 1, 64, 32), (1, 3, 64, 5), (8, 3, 40, 32), (2, 4, 256, 17),

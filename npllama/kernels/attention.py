@@ -48,6 +48,7 @@ from numba.extending import intrinsic
 from .f16 import _ld, _ld_row, bits
 from .nn import _exp, _ir_exp
 from .quants import _F32T, _HW_F16, _IR_FLAGS, _ir_call, _ir_hsum, _ir_load, _ir_splat, _is_c_array, _shuffle, _vec
+from .quants_int8 import _target_features
 
 # No 'nnan' / 'ninf': the kernels rely on -inf for removed keys and empty running maxima.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp", "afn"}
@@ -201,70 +202,98 @@ def _ir_fold_keys(builder, vs):
     return v
 
 
-@intrinsic
-def _score_rows(typingctx, qv, kb, sv):
-    """sv[j] = dot(qv, kb[j]) for every row j of kb (keys, D), keys a multiple of 16 and D of
-    16 (C-contiguous float32)."""
-    if not (_is_c_array(qv, types.float32) and _is_c_array(kb, types.float32, 2) and _is_c_array(sv, types.float32)):
-        return None
+def _make_score_rows(keys: int):
+    """`_score_rows` scoring `keys` (4, 8 or 16) keys a pass: the same sums whatever `keys`."""
 
-    def codegen(context, builder, sig, args):
-        qa, ka, sa = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args, args))
-        D = builder.extract_value(qa.shape, 0)
-        c = lambda v: ir.Constant(D.type, v)  # noqa: E731
-        with cgutils.for_range_slice(builder, c(0), builder.extract_value(ka.shape, 0), c(16), inc=True) as (j0, _):
-            acc = [cgutils.alloca_once_value(builder, ir.Constant(_V16, [0.0] * 16)) for _ in range(16)]
-            with cgutils.for_range(builder, builder.udiv(D, c(16))) as loop:
-                d0 = builder.mul(loop.index, c(16))
-                q = _ir_load(builder, qa.data, d0, _V16, 4)
-                for j in range(16):
-                    k = _ir_load(builder, ka.data, builder.add(builder.mul(builder.add(j0, c(j)), D), d0), _V16, 4)
-                    builder.store(_ir_fma16(builder, q, k, builder.load(acc[j])), acc[j])
-            out = builder.bitcast(builder.gep(sa.data, [j0]), _V16.as_pointer())
-            builder.store(_ir_fold_keys(builder, [builder.load(a) for a in acc]), out, align=4)
-        return context.get_dummy_value()
+    @intrinsic
+    def score_rows(typingctx, qv, kb, sv):
+        """sv[j] = dot(qv, kb[j]) for every row j of kb (keys, D), keys a multiple of 16 and D
+        of 16 (C-contiguous float32): each key's 16 lanes accumulated over D, then folded
+        (`_ir_fold_keys`), so that its sum is the same however many keys a pass takes."""
+        if not (_is_c_array(qv, types.float32) and _is_c_array(kb, types.float32, 2)
+                and _is_c_array(sv, types.float32)):
+            return None
 
-    return types.none(qv, kb, sv), codegen
+        def codegen(context, builder, sig, args):
+            qa, ka, sa = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args, args))
+            D = builder.extract_value(qa.shape, 0)
+            c = lambda v: ir.Constant(D.type, v)  # noqa: E731
+            n_keys = builder.extract_value(ka.shape, 0)
+            with cgutils.for_range_slice(builder, c(0), n_keys, c(keys), inc=True) as (j0, _):
+                acc = [cgutils.alloca_once_value(builder, ir.Constant(_V16, [0.0] * 16)) for _ in range(keys)]
+                with cgutils.for_range(builder, builder.udiv(D, c(16))) as loop:
+                    d0 = builder.mul(loop.index, c(16))
+                    q = _ir_load(builder, qa.data, d0, _V16, 4)
+                    for j in range(keys):
+                        k = _ir_load(builder, ka.data, builder.add(builder.mul(builder.add(j0, c(j)), D), d0), _V16, 4)
+                        builder.store(_ir_fma16(builder, q, k, builder.load(acc[j])), acc[j])
+                out = builder.bitcast(builder.gep(sa.data, [j0]), _vec(_F32T, keys).as_pointer())
+                builder.store(_ir_fold_keys(builder, [builder.load(a) for a in acc]), out, align=4)
+            return context.get_dummy_value()
+
+        return types.none(qv, kb, sv), codegen
+
+    return score_rows
 
 
-@intrinsic
-def _add_rows(typingctx, a, pv, vb):
-    """a += sum_j pv[j] vb[j] over the rows of vb (keys, D), keys even and D a multiple of 64
-    (C-contiguous float32): per 64 columns, even and odd keys into 4 accumulators each."""
-    if not (_is_c_array(a, types.float32) and _is_c_array(pv, types.float32) and _is_c_array(vb, types.float32, 2)):
-        return None
+def _make_add_rows(cols: int):
+    """`_add_rows` adding `cols` (a multiple of 16 dividing 64) columns a pass: the same sums
+    whatever `cols`."""
+    nv = cols // 16
 
-    def codegen(context, builder, sig, args):
-        aa, pa, va = (context.make_array(t)(context, builder, x) for t, x in zip(sig.args, args))
-        D = builder.extract_value(aa.shape, 0)
-        c = lambda v: ir.Constant(D.type, v)  # noqa: E731
-        with cgutils.for_range_slice(builder, c(0), D, c(64), inc=True) as (d0, _):
-            acc = [cgutils.alloca_once_value(builder, _ir_load(builder, aa.data, builder.add(d0, c(16 * k)), _V16, 4)
-                                             if e == 0 else ir.Constant(_V16, [0.0] * 16))
-                   for e in range(2) for k in range(4)]
-            with cgutils.for_range_slice(builder, c(0), builder.extract_value(pa.shape, 0), c(2), inc=True) as (j0, _):
-                for e in range(2):
-                    j = builder.add(j0, c(e))
-                    p = _ir_splat(builder, _ir_load(builder, pa.data, j, _F32T, 4), 16)
-                    row = builder.add(builder.mul(j, D), d0)
-                    for k in range(4):
-                        v = _ir_load(builder, va.data, builder.add(row, c(16 * k)), _V16, 4)
-                        builder.store(_ir_fma16(builder, p, v, builder.load(acc[4 * e + k])), acc[4 * e + k])
-            for k in range(4):
-                out = builder.bitcast(builder.gep(aa.data, [builder.add(d0, c(16 * k))]), _V16.as_pointer())
-                builder.store(builder.fadd(builder.load(acc[k]), builder.load(acc[4 + k]), flags=_IR_FLAGS), out,
-                              align=4)
-        return context.get_dummy_value()
+    @intrinsic
+    def add_rows(typingctx, a, pv, vb):
+        """a += sum_j pv[j] vb[j] over the rows of vb (keys, D), keys even and D a multiple of
+        64 (C-contiguous float32): per column, even and odd keys in two chains (the first from
+        a, the second from 0) added at the end."""
+        if not (_is_c_array(a, types.float32) and _is_c_array(pv, types.float32)
+                and _is_c_array(vb, types.float32, 2)):
+            return None
 
-    return types.none(a, pv, vb), codegen
+        def codegen(context, builder, sig, args):
+            aa, pa, va = (context.make_array(t)(context, builder, x) for t, x in zip(sig.args, args))
+            D = builder.extract_value(aa.shape, 0)
+            c = lambda v: ir.Constant(D.type, v)  # noqa: E731
+            with cgutils.for_range_slice(builder, c(0), D, c(cols), inc=True) as (d0, _):
+                acc = [cgutils.alloca_once_value(builder, _ir_load(builder, aa.data, builder.add(d0, c(16 * k)), _V16,
+                                                                   4) if e == 0 else ir.Constant(_V16, [0.0] * 16))
+                       for e in range(2) for k in range(nv)]
+                n_keys = builder.extract_value(pa.shape, 0)
+                with cgutils.for_range_slice(builder, c(0), n_keys, c(2), inc=True) as (j0, _):
+                    for e in range(2):
+                        j = builder.add(j0, c(e))
+                        p = _ir_splat(builder, _ir_load(builder, pa.data, j, _F32T, 4), 16)
+                        row = builder.add(builder.mul(j, D), d0)
+                        for k in range(nv):
+                            v = _ir_load(builder, va.data, builder.add(row, c(16 * k)), _V16, 4)
+                            builder.store(_ir_fma16(builder, p, v, builder.load(acc[nv * e + k])), acc[nv * e + k])
+                for k in range(nv):
+                    out = builder.bitcast(builder.gep(aa.data, [builder.add(d0, c(16 * k))]), _V16.as_pointer())
+                    builder.store(builder.fadd(builder.load(acc[k]), builder.load(acc[nv + k]), flags=_IR_FLAGS),
+                                  out, align=4)
+            return context.get_dummy_value()
+
+        return types.none(a, pv, vb), codegen
+
+    return add_rows
+
+
+# Keys a pass of `_score_rows` scores and columns a pass of `_add_rows` adds: their
+# accumulators (16 lanes each) fit AVX-512's 32 vector registers at 16 keys and 64 columns;
+# with AVX2's 16 registers of half the width LLVM spilled those, and 4 keys and 32 columns
+# ran a 4,000-token prompt's attention in 0.72-0.76x the time (bench/RESULTS.md)
+_WIDE = "avx512f" in _target_features()
+_score_rows = _make_score_rows(16 if _WIDE else 4)
+_add_rows = _make_add_rows(64 if _WIDE else 32)
 
 
 # ---------------------------------------------------------------------------------------
 # A block's scores and weighted values read straight from the records of a KV buffer, for
 # a query row's G heads at once (a decoding query: nothing to share a converted block with).
-# Each key or value row is loaded and converted once for a group of up to four heads, where
-# the routines above read a block converted into float32 scratch once per head; the sums are
-# theirs, grouped the same, so either path gives the same bits.
+# Each key or value row is loaded and converted once for a group of up to four heads (two
+# for the values with AVX2), where the routines above read a block converted into float32
+# scratch once per head; the sums are theirs, grouped the same, so either path gives the
+# same bits.
 # ---------------------------------------------------------------------------------------
 
 def _records_fit(kv):
@@ -283,104 +312,134 @@ def _ir_record_row(builder, kv, kv_ty, off, c):
     return builder.fpext(builder.load(ptr, align=2), _V16)
 
 
-def _ir_head_groups(builder, G, emit):
-    """emit(h0, n) for the query heads in groups of four from h0 = 0, then the rest (1 to 3)."""
+def _ir_head_groups(builder, G, emit, most=4):
+    """emit(h0, n) for the query heads in groups of `most` from h0 = 0, then the rest (1 to
+    most - 1)."""
     c = lambda v: ir.Constant(G.type, v)  # noqa: E731
-    four = builder.mul(builder.udiv(G, c(4)), c(4))
-    with cgutils.for_range_slice(builder, c(0), four, c(4), inc=True) as (h0, _):
-        emit(h0, 4)
-    rest = builder.sub(G, four)
-    for n in (1, 2, 3):
+    full = builder.mul(builder.udiv(G, c(most)), c(most))
+    with cgutils.for_range_slice(builder, c(0), full, c(most), inc=True) as (h0, _):
+        emit(h0, most)
+    rest = builder.sub(G, full)
+    for n in range(1, most):
         with builder.if_then(builder.icmp_unsigned("==", rest, c(n))):
-            emit(four, n)
+            emit(full, n)
 
 
-@intrinsic
-def _score_records(typingctx, q, kv, offs, s):
-    """s[h, j] = dot(q[h], kv's row at element offs[j]) for the G query heads q (G, D), D a
-    multiple of 16, and the keys j < _BLOCK (every offs[j] a row of D elements of kv, a
-    C-contiguous float32 buffer or float16 bits): `_score_rows`' sums, four or eight keys at
-    a time for a group of heads (three or fewer: eight keys, 24 accumulators; four: four)."""
-    if not (_is_c_array(q, types.float32, 2) and isinstance(kv, types.Array) and kv.layout == "C"
-            and _records_fit(kv) and _is_c_array(offs, types.int64) and _is_c_array(s, types.float32, 2)):
-        return None
+def _make_score_records(keys_for: tuple):
+    """`_score_records` scoring keys_for[n - 1] keys a pass for a group of n heads (n = 1..4:
+    n times as many accumulators): the same sums whatever the keys a pass."""
 
-    def codegen(context, builder, sig, args):
-        qa, ka, oa, sa = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args, args))
-        G, D = (builder.extract_value(qa.shape, i) for i in range(2))
-        nb = builder.extract_value(sa.shape, 1)
-        c = lambda v: ir.Constant(D.type, v)  # noqa: E731
+    @intrinsic
+    def score_records(typingctx, q, kv, offs, s):
+        """s[h, j] = dot(q[h], kv's row at element offs[j]) for the G query heads q (G, D), D a
+        multiple of 16, and the keys j < _BLOCK (every offs[j] a row of D elements of kv, a
+        C-contiguous float32 buffer or float16 bits): `_score_rows`' sums, a pass of keys
+        (keys_for) at a time for a group of up to four heads."""
+        if not (_is_c_array(q, types.float32, 2) and isinstance(kv, types.Array) and kv.layout == "C"
+                and _records_fit(kv) and _is_c_array(offs, types.int64) and _is_c_array(s, types.float32, 2)):
+            return None
 
-        def group(h0, n):
-            keys = 4 if n == 4 else 8
-            with cgutils.for_range_slice(builder, c(0), nb, c(keys), inc=True) as (j0, _):
-                offs_j = [_ir_load(builder, oa.data, builder.add(j0, c(j)), ir.IntType(64), 8) for j in range(keys)]
-                acc = [[cgutils.alloca_once_value(builder, ir.Constant(_V16, [0.0] * 16)) for _ in range(keys)]
-                       for _ in range(n)]
-                with cgutils.for_range(builder, builder.udiv(D, c(16))) as loop:
-                    qs = [_ir_load(builder, qa.data, builder.add(builder.mul(builder.add(h0, c(h)), D),
-                                                                 builder.mul(loop.index, c(16))), _V16, 4)
-                          for h in range(n)]
-                    for j in range(keys):
-                        k = _ir_record_row(builder, ka, sig.args[1], offs_j[j], loop.index)
-                        for h in range(n):
-                            builder.store(_ir_fma16(builder, qs[h], k, builder.load(acc[h][j])), acc[h][j])
-                for h in range(n):
-                    at = builder.add(builder.mul(builder.add(h0, c(h)), nb), j0)
-                    out = builder.bitcast(builder.gep(sa.data, [at]), _vec(_F32T, keys).as_pointer())
-                    builder.store(_ir_fold_keys(builder, [builder.load(a) for a in acc[h]]), out, align=4)
+        def codegen(context, builder, sig, args):
+            qa, ka, oa, sa = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args, args))
+            G, D = (builder.extract_value(qa.shape, i) for i in range(2))
+            nb = builder.extract_value(sa.shape, 1)
+            c = lambda v: ir.Constant(D.type, v)  # noqa: E731
 
-        _ir_head_groups(builder, G, group)
-        return context.get_dummy_value()
+            def group(h0, n):
+                keys = keys_for[n - 1]
+                with cgutils.for_range_slice(builder, c(0), nb, c(keys), inc=True) as (j0, _):
+                    offs_j = [_ir_load(builder, oa.data, builder.add(j0, c(j)), ir.IntType(64), 8) for j in range(keys)]
+                    acc = [[cgutils.alloca_once_value(builder, ir.Constant(_V16, [0.0] * 16)) for _ in range(keys)]
+                           for _ in range(n)]
+                    with cgutils.for_range(builder, builder.udiv(D, c(16))) as loop:
+                        qs = [_ir_load(builder, qa.data, builder.add(builder.mul(builder.add(h0, c(h)), D),
+                                                                     builder.mul(loop.index, c(16))), _V16, 4)
+                              for h in range(n)]
+                        for j in range(keys):
+                            k = _ir_record_row(builder, ka, sig.args[1], offs_j[j], loop.index)
+                            for h in range(n):
+                                builder.store(_ir_fma16(builder, qs[h], k, builder.load(acc[h][j])), acc[h][j])
+                    for h in range(n):
+                        at = builder.add(builder.mul(builder.add(h0, c(h)), nb), j0)
+                        out = builder.bitcast(builder.gep(sa.data, [at]), _vec(_F32T, keys).as_pointer())
+                        builder.store(_ir_fold_keys(builder, [builder.load(a) for a in acc[h]]), out, align=4)
 
-    return types.none(q, kv, offs, s), codegen
+            _ir_head_groups(builder, G, group)
+            return context.get_dummy_value()
+
+        return types.none(q, kv, offs, s), codegen
+
+    return score_records
 
 
-@intrinsic
-def _add_records(typingctx, a, pv, kv, offs, n):
-    """a[h] += sum_j pv[h, j] row_j for the G heads' running outputs a (G, D), D a multiple of
-    64, and their weights pv (G, keys), keys even, over the value rows at elements offs[j] of
-    kv (as `_score_records`); rows j >= n read as zeros (their weights are 0). `_add_rows`'
-    sums: per column, even and odd keys in two chains (the first from a, the second from 0)
-    added at the end; 16 columns at a time for a group of up to four heads."""
-    if not (_is_c_array(a, types.float32, 2) and _is_c_array(pv, types.float32, 2) and isinstance(kv, types.Array)
-            and kv.layout == "C" and _records_fit(kv) and _is_c_array(offs, types.int64)
-            and isinstance(n, types.Integer)):
-        return None
+# keys a pass for 1, 2, 3 or 4 heads: 8 of them (4 for four heads) fit AVX-512's registers;
+# with AVX2's, as `_score_rows`, fewer (bench/RESULTS.md)
+_score_records = _make_score_records((8, 8, 8, 4) if _WIDE else (4, 4, 2, 2))
 
-    def codegen(context, builder, sig, args):
-        aa, pa, ka, oa = (context.make_array(t)(context, builder, x) for t, x in zip(sig.args[:4], args[:4]))
-        G, D = (builder.extract_value(aa.shape, i) for i in range(2))
-        nb = builder.extract_value(pa.shape, 1)
-        c = lambda v: ir.Constant(D.type, v)  # noqa: E731
-        n_keys = context.cast(builder, args[4], sig.args[4], types.intp)
-        zero = ir.Constant(_V16, [0.0] * 16)
 
-        def group(h0, nh):
-            rows = [builder.mul(builder.add(h0, c(h)), D) for h in range(nh)]
-            with cgutils.for_range(builder, builder.udiv(D, c(16))) as col:
-                d0 = builder.mul(col.index, c(16))
-                acc = [[cgutils.alloca_once_value(builder, _ir_load(builder, aa.data, builder.add(rows[h], d0), _V16, 4)
-                                                  if e == 0 else zero) for e in range(2)] for h in range(nh)]
-                with cgutils.for_range_slice(builder, c(0), nb, c(2), inc=True) as (j0, _):
-                    for e in range(2):
-                        j = builder.add(j0, c(e))
-                        v = _ir_record_row(builder, ka, sig.args[2], _ir_load(builder, oa.data, j, ir.IntType(64), 8),
-                                           col.index)
-                        v = builder.select(builder.icmp_signed("<", j, n_keys), v, zero)
-                        for h in range(nh):
-                            p = _ir_splat(builder, _ir_load(builder, pa.data, builder.add(builder.mul(builder.add(
-                                h0, c(h)), nb), j), _F32T, 4), 16)
-                            builder.store(_ir_fma16(builder, p, v, builder.load(acc[h][e])), acc[h][e])
-                for h in range(nh):
-                    out = builder.bitcast(builder.gep(aa.data, [builder.add(rows[h], d0)]), _V16.as_pointer())
-                    builder.store(builder.fadd(builder.load(acc[h][0]), builder.load(acc[h][1]), flags=_IR_FLAGS), out,
-                                  align=4)
+def _make_add_records(cols: int, most: int):
+    """`_add_records` adding `cols` (16 or 32) columns a pass for groups of up to `most` (4, 2
+    or 1) heads: the same sums whatever the pass."""
+    nv = cols // 16
 
-        _ir_head_groups(builder, G, group)
-        return context.get_dummy_value()
+    @intrinsic
+    def add_records(typingctx, a, pv, kv, offs, n):
+        """a[h] += sum_j pv[h, j] row_j for the G heads' running outputs a (G, D), D a multiple
+        of 64, and their weights pv (G, keys), keys even, over the value rows at elements
+        offs[j] of kv (as `_score_records`); rows j >= n read as zeros (their weights are 0).
+        `_add_rows`' sums: per column, even and odd keys in two chains (the first from a, the
+        second from 0) added at the end."""
+        if not (_is_c_array(a, types.float32, 2) and _is_c_array(pv, types.float32, 2)
+                and isinstance(kv, types.Array) and kv.layout == "C" and _records_fit(kv)
+                and _is_c_array(offs, types.int64) and isinstance(n, types.Integer)):
+            return None
 
-    return types.none(a, pv, kv, offs, n), codegen
+        def codegen(context, builder, sig, args):
+            aa, pa, ka, oa = (context.make_array(t)(context, builder, x) for t, x in zip(sig.args[:4], args[:4]))
+            G, D = (builder.extract_value(aa.shape, i) for i in range(2))
+            nb = builder.extract_value(pa.shape, 1)
+            c = lambda v: ir.Constant(D.type, v)  # noqa: E731
+            n_keys = context.cast(builder, args[4], sig.args[4], types.intp)
+            zero = ir.Constant(_V16, [0.0] * 16)
+
+            def group(h0, nh):
+                rows = [builder.mul(builder.add(h0, c(h)), D) for h in range(nh)]
+                with cgutils.for_range(builder, builder.udiv(D, c(cols))) as col:
+                    d0 = builder.mul(col.index, c(cols))
+                    acc = [[[cgutils.alloca_once_value(
+                        builder, _ir_load(builder, aa.data, builder.add(rows[h], builder.add(d0, c(16 * k))), _V16, 4)
+                        if e == 0 else zero) for k in range(nv)] for e in range(2)] for h in range(nh)]
+                    with cgutils.for_range_slice(builder, c(0), nb, c(2), inc=True) as (j0, _):
+                        for e in range(2):
+                            j = builder.add(j0, c(e))
+                            off = _ir_load(builder, oa.data, j, ir.IntType(64), 8)
+                            vs = [builder.select(builder.icmp_signed("<", j, n_keys), _ir_record_row(
+                                builder, ka, sig.args[2], off, builder.add(builder.mul(col.index, c(nv)), c(k))), zero)
+                                for k in range(nv)]
+                            for h in range(nh):
+                                p = _ir_splat(builder, _ir_load(builder, pa.data, builder.add(builder.mul(builder.add(
+                                    h0, c(h)), nb), j), _F32T, 4), 16)
+                                for k in range(nv):
+                                    builder.store(_ir_fma16(builder, p, vs[k], builder.load(acc[h][e][k])),
+                                                  acc[h][e][k])
+                    for h in range(nh):
+                        for k in range(nv):
+                            at = builder.add(rows[h], builder.add(d0, c(16 * k)))
+                            out = builder.bitcast(builder.gep(aa.data, [at]), _V16.as_pointer())
+                            builder.store(builder.fadd(builder.load(acc[h][0][k]), builder.load(acc[h][1][k]),
+                                                       flags=_IR_FLAGS), out, align=4)
+
+            _ir_head_groups(builder, G, group, most)
+            return context.get_dummy_value()
+
+        return types.none(a, pv, kv, offs, n), codegen
+
+    return add_records
+
+
+# AVX2: heads in pairs, which measured faster than fours (whose 8 accumulators spilled) or
+# ones (each value row read once per head)
+_add_records = _make_add_records(16, 4 if _WIDE else 2)
 
 
 @njit(fastmath=_FASTMATH, cache=True, inline="always")
