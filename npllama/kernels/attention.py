@@ -161,12 +161,12 @@ def _rescale(s, n, m, l, acc):
 
 # ---------------------------------------------------------------------------------------
 # A block's scores and weighted values, as LLVM IR where the head size allows (16-lane
-# vectors): the scores of 16 keys at a time in 16 accumulators (one per key, its lanes
-# partial sums over the head dimension) reduced together by a fixed tree of shuffles and
-# adds, where a horizontal sum per key would cost ~9 operations; the weighted values in
-# registers across the block's keys (8 independent FMA chains per 64 columns), where the
-# loop over four keys at a time loaded and stored the output for every four. Both group a
-# sum the same way in every caller.
+# vectors): the scores of several keys at a time (16 with AVX-512, 4 with AVX2) in an
+# accumulator each (its lanes partial sums over the head dimension) reduced together by a
+# fixed tree of shuffles and adds, where a horizontal sum per key would cost ~9 operations;
+# the weighted values in registers across the block's keys (two FMA chains a column, 64 or
+# 32 columns at a time), where the loop over four keys at a time loaded and stored the
+# output for every four. Both group a sum the same way in every caller.
 # ---------------------------------------------------------------------------------------
 
 _V16 = _vec(_F32T, 16)
@@ -177,7 +177,7 @@ def _ir_fma16(builder, a, b, c):
 
 
 def _ir_fold_keys(builder, vs):
-    """<n x float> whose lane k is the sum of the lanes of vs[k] (n = 4, 8 or 16 vectors of 16):
+    """<n x float> whose lane k is the sum of the lanes of vs[k] (n = 1, 2, 4, 8 or 16 vectors of 16):
     at each level, pairs of vectors whose lanes come in runs of `width` partial sums per key
     are folded into one with runs half as long (two two-source shuffles and an add; 15 adds
     for 16 keys), and the last vector, while its runs are longer than one, on itself. Each
