@@ -95,7 +95,9 @@ def _dot_isa(features) -> str:
     return "generic"         # portable IR: widening multiplies
 
 
-DOT_ISA: str = _dot_isa(_target_features())
+_FEATURES: set[str] = _target_features()  # read once: attention's pass widths follow them too
+
+DOT_ISA: str = _dot_isa(_FEATURES)
 """How the int8 dots are compiled here: "vnni512", "vnni256", "avx2" or "generic"."""
 
 VNNI: bool = DOT_ISA.startswith("vnni")
