@@ -490,10 +490,10 @@ class _Pairs:
 
 
 def _make_panel_dots(isa: str, one_row: bool = False):
-    """The micro-kernels for `isa` (see quants_int8._dot_isa; the float32 one is the same IR
-    everywhere), an intrinsic ``panel_dots(code, panel, xr, tmp)``: tmp[t, i] = dot(row i of
-    the panel, x_t) for every activation row t (tmp: (T, 16) float32) of a weight of type
-    `code` (one with panels), xr int8 (4 arrays) or float32 (1 array). With `one_row`, for
+    """The micro-kernels for `isa` (see quants_int8._dot_isa), an intrinsic ``panel_dots(code,
+    panel, xr, tmp)``: tmp[t, i] = dot(row i of the panel, x_t) for every activation row t
+    (tmp: (T, 16) float32) of a weight of type `code` (one with panels), xr the activation
+    rows in int8 or int24 blocks (4 arrays, the module's docstring). With `one_row`, for
     one activation row (the decode step's): tiles of one row that, with AVX2, prefetch the
     next panel (the module's docstring)."""
     v16i, v16f, v64b = _vec(_I32, 16), _vec(_F32T, 16), _vec(_I8, 64)
