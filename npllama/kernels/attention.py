@@ -53,7 +53,8 @@ from .quants_int8 import _FEATURES
 # No 'nnan' / 'ninf': the kernels rely on -inf for removed keys and empty running maxima.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp", "afn"}
 _BLOCK = 32            # keys scored together before the running state is rescaled
-_ROWS = 8              # queries one prefill task handles together, sharing each K/V row read
+_ROWS = 16             # queries one prefill task handles together, sharing each K/V row read (and its
+                       # conversion: 512 queries 4,000 keys deep took 0.93-0.95x the time of 8)
 _CHUNK = 512           # keys folded from a fresh state before the chunks are merged (a multiple of _BLOCK)
 MASKED = -1e30         # mask entries at or below this remove the key
 _NO_MASK = np.zeros((0, 0), dtype=np.float32)  # stand-ins for absent options, typed like the real ones
