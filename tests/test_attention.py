@@ -227,28 +227,29 @@ def test_record_routines_same_bits_at_every_pass_width(dtype, G, D):
 
 
 @pytest.mark.parametrize("R, G, D, n", [(1, 1, 64, 32), (1, 3, 64, 5), (8, 3, 40, 32), (2, 4, 256, 17),
-                                        (3, 1, 48, 0), (1, 5, 16, 1)])
+                                        (3, 1, 48, 0), (1, 5, 16, 1), (16, 5, 64, 20), (17, 8, 24, 32)])
 def test_online_softmax_step_matches_numpy(R, G, D, n):
-    """`_rescale` (four (row, head) pairs at a time in IR, the last group padded by repeating
-    its last pair) against float64 NumPy: the first n keys of a block folded into running
-    maxima (some -inf: no key seen yet) and sums, the running outputs rescaled, the scores
-    turned into weights (0 past n); a block with no key (n = 0) changes nothing but zeroes
-    its weights."""
+    """`_rescale` (in phases over up to 64 (row, head) pairs at a time, so R G = 80 and 136 take
+    two and three batches, the last short; its corrections eight pairs a vector, the last eight
+    padded by repeating the last pair) against float64 NumPy: the first n keys of a block folded
+    into running maxima (some -inf: no key seen yet) and sums, the running outputs rescaled,
+    the scores turned into weights (0 past n); a pair whose keys are all -inf (removed), or a
+    block with no key (n = 0), changes nothing but zeroes its weights."""
     rng = np.random.default_rng(R * 1000 + G * 100 + D + n)
     s = rng.normal(0, 4, (R, G, _BLOCK)).astype(np.float32)
+    s[rng.random((R, G)) < 0.2] = -np.inf
     m = np.where(rng.random((R, G)) < 0.3, -np.inf, rng.normal(0, 4, (R, G))).astype(np.float32)
     l = np.where(np.isinf(m), 0, rng.random((R, G)) * 5).astype(np.float32)
     acc = np.where(np.isinf(m)[..., None], 0, rng.normal(size=(R, G, D))).astype(np.float32)
     s64, m64, l64, acc64 = s[..., :n].astype(np.float64), m.astype(np.float64), l.astype(np.float64), acc.copy()
     assert _rescale.targetoptions["fastmath"] is False  # fast-math flags would change nn._exp's roundings
     _rescale(s, n, m, l, acc)
-    if n == 0:
-        m_new, corr, w = m64, np.ones_like(m64), np.zeros((R, G, _BLOCK))
-    else:
-        m_new = np.maximum(m64, s64.max(axis=2))
-        corr = np.exp(m64 - m_new)
-        w = np.zeros((R, G, _BLOCK))
-        w[..., :n] = np.exp(s64 - m_new[..., None])
+    w = np.zeros((R, G, _BLOCK))
+    empty = np.isneginf(s64).all(axis=2)  # also every pair where n = 0
+    m_new = np.where(empty, m64, np.maximum(m64, s64.max(axis=2, initial=-np.inf)))
+    with np.errstate(invalid="ignore"):
+        corr = np.where(empty, 1.0, np.exp(m64 - m_new))
+        w[..., :n] = np.where(empty[..., None], 0.0, np.exp(s64 - m_new[..., None]))
     np.testing.assert_array_equal(m, m_new.astype(np.float32))
     # float32 exponentials (2 ulp) of float32 differences (each rounded: |x| 6e-8 relative)
     np.testing.assert_allclose(s, w, rtol=3e-6, atol=1e-38)

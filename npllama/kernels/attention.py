@@ -59,16 +59,22 @@ _CHUNK = 512           # keys folded from a fresh state before the chunks are me
 MASKED = -1e30         # mask entries at or below this remove the key
 _NO_MASK = np.zeros((0, 0), dtype=np.float32)  # stand-ins for absent options, typed like the real ones
 _NO_ALIBI = np.zeros(0, dtype=np.float32)
+_RESCALE_ROWS = 64     # (row, head) pairs `_rescale_rows` takes through its phases at a time
 
 
 @intrinsic
 def _rescale_rows(typingctx, s, n, m, l, acc):
-    """`_rescale` as LLVM IR: four (row, head) pairs at a time in straight-line code, so that
-    their dependency chains (the block's maximum, the exponentials, the sums) overlap, where a
-    loop over one pair at a time waited on each. A group short of four repeats its last pair,
-    which is harmless because every load of a group comes before any of its stores. The
-    exponentials are nn._exp's bit for bit (nn._ir_exp); a block's sum of weights is a fixed
-    tree over its lanes, the same in every caller."""
+    """`_rescale` as LLVM IR, in phases over up to _RESCALE_ROWS (row, head) pairs at a time,
+    each phase a loop of small independent steps that the CPU overlaps: (1) each pair's block
+    maximum, new running maximum, and the exponent of its correction, m_old - m_new; (2) the
+    corrections, eight pairs a vector; (3) the weights exp(s - m_new), one 16-lane vector a
+    step; (4) each pair's sum of weights, running sum and rescaled output. Straight-line code
+    for four pairs at a time (before) kept sixteen vectors of exponentials in flight, which
+    spilled: the step took 1.2-1.4x this one's time for 3 to 24 pairs (a decoding query's
+    heads), about the same for 48 (a prefill task's: attention 0.96-1.0x the time). A pair
+    that sees no key subtracts +inf, so that its weights are exp(-inf) = 0, and keeps its
+    state (correction 1). The exponentials are nn._exp's bit for bit (nn._ir_exp); a block's
+    sum of weights is a fixed tree over its lanes, the same in every caller."""
     f32 = types.float32
     if not (_is_c_array(s, f32, 3) and isinstance(n, types.Integer) and _is_c_array(m, f32, 2)
             and _is_c_array(l, f32, 2) and _is_c_array(acc, f32, 3)):
@@ -79,65 +85,81 @@ def _rescale_rows(typingctx, s, n, m, l, acc):
                           for t, a in zip((sig.args[0], *sig.args[2:]), (args[0], *args[2:])))
         intp = context.get_value_type(types.intp)
         c = lambda v: ir.Constant(intp, v)  # noqa: E731
+        i32 = ir.IntType(32)
         cf = lambda v, k=16: ir.Constant(_vec(_F32T, k), [v] * k)  # noqa: E731
+        inf, ninf = float("inf"), float("-inf")
         rows = builder.mul(builder.extract_value(sa.shape, 0), builder.extract_value(sa.shape, 1))
         D = builder.extract_value(aa.shape, 2)
-        nn = builder.trunc(context.cast(builder, args[1], sig.args[1], types.intp), ir.IntType(32))
-        i32v = _vec(ir.IntType(32), 16)
-        ninf = float("-inf")
-        with cgutils.for_range_slice(builder, c(0), rows, c(4), inc=True) as (r0, _):
-            last = builder.sub(rows, c(1))
-            rr = [builder.select(builder.icmp_signed("<", builder.add(r0, c(u)), rows), builder.add(r0, c(u)), last)
-                  for u in range(4)]
-            blocks, m_old, l_old, m_new, empty = [], [], [], [], []
-            for r in rr:  # loads, the block's maximum and the new running maximum
-                vs = []
-                for v in range(_BLOCK // 16):
-                    x = _ir_load(builder, sa.data, builder.add(builder.mul(r, c(_BLOCK)), c(16 * v)), _V16, 4)
-                    seen = builder.icmp_signed("<", ir.Constant(i32v, list(range(16 * v, 16 * v + 16))),
-                                               _ir_splat(builder, nn, 16))
-                    vs.append(builder.select(seen, x, cf(ninf)))
+        nn = builder.trunc(context.cast(builder, args[1], sig.args[1], types.intp), i32)
+        # per pair of a batch: m_old - m_new, then the correction; the subtrahend of its scores
+        corr = cgutils.alloca_once(builder, _F32T, size=_RESCALE_ROWS)
+        sub = cgutils.alloca_once(builder, _F32T, size=_RESCALE_ROWS)
+
+        def scores(r, v):  # 16 scores of pair r from key 16 v, those past n as -inf
+            x = _ir_load(builder, sa.data, builder.add(builder.mul(r, c(_BLOCK)), c(16 * v)), _V16, 4)
+            seen = builder.icmp_signed("<", ir.Constant(_vec(i32, 16), list(range(16 * v, 16 * v + 16))),
+                                       _ir_splat(builder, nn, 16))
+            return builder.select(seen, x, cf(ninf))
+
+        with cgutils.for_range_slice(builder, c(0), rows, c(_RESCALE_ROWS), inc=True) as (b0, _):
+            nb = builder.sub(rows, b0)
+            nb = builder.select(builder.icmp_signed("<", nb, c(_RESCALE_ROWS)), nb, c(_RESCALE_ROWS))
+            with cgutils.for_range(builder, nb) as loop:  # (1)
+                r = builder.add(b0, loop.index)
+                vs = [scores(r, v) for v in range(_BLOCK // 16)]
                 mx = vs[0]
                 for x in vs[1:]:
                     mx = builder.select(builder.fcmp_ordered(">", x, mx), x, mx)
                 for width in (8, 4, 2, 1):
                     hi = _shuffle(builder, mx, mx, list(range(width, 2 * width)) + [0] * (16 - width))
                     mx = builder.select(builder.fcmp_ordered(">", hi, mx), hi, mx)
-                bmax = builder.extract_element(mx, ir.Constant(ir.IntType(32), 0))
+                bmax = builder.extract_element(mx, ir.Constant(i32, 0))
                 mo = _ir_load(builder, ma.data, r, _F32T, 4)
-                blocks.append(vs)
-                m_old.append(mo)
-                l_old.append(_ir_load(builder, la.data, r, _F32T, 4))
-                m_new.append(builder.select(builder.fcmp_ordered(">", bmax, mo), bmax, mo))
-                empty.append(builder.fcmp_ordered("==", bmax, ir.Constant(_F32T, ninf)))
-            diff = ir.Constant(_vec(_F32T, 4), [0.0] * 4)
-            for u in range(4):
-                diff = builder.insert_element(diff, builder.fsub(m_old[u], m_new[u]), ir.Constant(ir.IntType(32), u))
-            corr_v = _ir_exp(builder, diff)
-            corr = []
-            for u, r in enumerate(rr):  # the weights, their sum, the running sum and maximum
-                cu = builder.select(empty[u], ir.Constant(_F32T, 1.0),
-                                    builder.extract_element(corr_v, ir.Constant(ir.IntType(32), u)))
-                corr.append(cu)
-                mn = _ir_splat(builder, m_new[u], 16)
-                ps = [builder.select(empty[u], cf(0.0), _ir_exp(builder, builder.fsub(x, mn))) for x in blocks[u]]
+                mn = builder.select(builder.fcmp_ordered(">", bmax, mo), bmax, mo)
+                empty = builder.fcmp_ordered("==", bmax, ir.Constant(_F32T, ninf))
+                builder.store(builder.fsub(mo, mn), builder.gep(corr, [loop.index]))
+                builder.store(builder.select(empty, ir.Constant(_F32T, inf), mn), builder.gep(sub, [loop.index]))
+                builder.store(mn, builder.gep(ma.data, [r]))
+            last = builder.sub(nb, c(1))
+            with cgutils.for_range_slice(builder, c(0), nb, c(8), inc=True) as (j0, _):  # (2)
+                at = [builder.add(j0, c(u)) for u in range(8)]
+                at = [builder.select(builder.icmp_signed("<", a, nb), a, last) for a in at]  # short: the last again
+                dv, sv = cf(0.0, 8), cf(0.0, 8)
+                for u, a in enumerate(at):
+                    dv = builder.insert_element(dv, builder.load(builder.gep(corr, [a])), ir.Constant(i32, u))
+                    sv = builder.insert_element(sv, builder.load(builder.gep(sub, [a])), ir.Constant(i32, u))
+                cv = builder.select(builder.fcmp_ordered("==", sv, cf(inf, 8)), cf(1.0, 8), _ir_exp(builder, dv))
+                for u, a in enumerate(at):
+                    builder.store(builder.extract_element(cv, ir.Constant(i32, u)), builder.gep(corr, [a]))
+            with cgutils.for_range(builder, builder.mul(nb, c(_BLOCK // 16))) as loop:  # (3)
+                j = loop.index
+                v = builder.urem(j, c(_BLOCK // 16))
+                r = builder.add(b0, builder.udiv(j, c(_BLOCK // 16)))
+                at = builder.add(builder.mul(r, c(_BLOCK)), builder.mul(v, c(16)))
+                x = _ir_load(builder, sa.data, at, _V16, 4)
+                seen = builder.icmp_signed("<", builder.add(ir.Constant(_vec(i32, 16), list(range(16))),
+                                                            _ir_splat(builder, builder.trunc(builder.mul(v, c(16)), i32),
+                                                                      16)),
+                                           _ir_splat(builder, nn, 16))
+                ms = _ir_splat(builder, builder.load(builder.gep(sub, [builder.udiv(j, c(_BLOCK // 16))])), 16)
+                p = _ir_exp(builder, builder.fsub(builder.select(seen, x, cf(ninf)), ms))
+                builder.store(p, builder.bitcast(builder.gep(sa.data, [at]), _V16.as_pointer()), align=4)
+            d16 = builder.mul(builder.udiv(D, c(16)), c(16))
+            with cgutils.for_range(builder, nb) as loop:  # (4)
+                r = builder.add(b0, loop.index)
+                ps = [_ir_load(builder, sa.data, builder.add(builder.mul(r, c(_BLOCK)), c(16 * v)), _V16, 4)
+                      for v in range(_BLOCK // 16)]
                 total = ps[0]
                 for p in ps[1:]:
                     total = builder.fadd(total, p)
-                for v, p in enumerate(ps):
-                    out = builder.gep(sa.data, [builder.add(builder.mul(r, c(_BLOCK)), c(16 * v))])
-                    builder.store(p, builder.bitcast(out, _V16.as_pointer()), align=4)
-                tsum = _ir_hsum(builder, total)
-                l_new = builder.fadd(builder.fmul(l_old[u], cu), tsum)
-                builder.store(l_new, builder.gep(la.data, [r]))
-                builder.store(m_new[u], builder.gep(ma.data, [r]))
-            d16 = builder.mul(builder.udiv(D, c(16)), c(16))
-            for lo, hi, step, ty in ((c(0), d16, 16, _V16), (d16, D, 1, _F32T)):  # acc *= corr
-                with cgutils.for_range_slice(builder, lo, hi, c(step), inc=True) as (d, _):
-                    at = [builder.add(builder.mul(r, D), d) for r in rr]
-                    vals = [_ir_load(builder, aa.data, a, ty, 4) for a in at]
-                    for a, x, cu in zip(at, vals, corr):
-                        k = _ir_splat(builder, cu, 16) if step == 16 else cu
+                cu = builder.load(builder.gep(corr, [loop.index]))
+                lo = _ir_load(builder, la.data, r, _F32T, 4)
+                builder.store(builder.fadd(builder.fmul(lo, cu), _ir_hsum(builder, total)), builder.gep(la.data, [r]))
+                for lo_d, hi_d, step, ty in ((c(0), d16, 16, _V16), (d16, D, 1, _F32T)):  # acc *= corr
+                    k = _ir_splat(builder, cu, 16) if step == 16 else cu
+                    with cgutils.for_range_slice(builder, lo_d, hi_d, c(step), inc=True) as (d, _):
+                        a = builder.add(builder.mul(r, D), d)
+                        x = _ir_load(builder, aa.data, a, ty, 4)
                         builder.store(builder.fmul(x, k), builder.bitcast(builder.gep(aa.data, [a]), ty.as_pointer()),
                                       align=4)
         return context.get_dummy_value()
