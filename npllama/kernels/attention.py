@@ -70,7 +70,7 @@ def _rescale_rows(typingctx, s, n, m, l, acc):
     corrections, eight pairs a vector; (3) the weights exp(s - m_new), one 16-lane vector a
     step; (4) each pair's sum of weights, running sum and rescaled output. Straight-line code
     for four pairs at a time (before) kept sixteen vectors of exponentials in flight, which
-    spilled: the step took 1.2-1.4x this one's time for 3 to 24 pairs (a decoding query's
+    spilled: the step took 1.2-1.7x this one's time for 3 to 24 pairs (a decoding query's
     heads), about the same for 48 (a prefill task's: attention 0.96-1.0x the time). A pair
     that sees no key subtracts +inf, so that its weights are exp(-inf) = 0, and keeps its
     state (correction 1). The exponentials are nn._exp's bit for bit (nn._ir_exp); a block's
