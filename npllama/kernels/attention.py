@@ -67,14 +67,14 @@ def _rescale_rows(typingctx, s, n, m, l, acc):
     """`_rescale` as LLVM IR, in phases over up to _RESCALE_ROWS (row, head) pairs at a time,
     each phase a loop of small independent steps that the CPU overlaps: (1) each pair's block
     maximum, new running maximum, and the exponent of its correction, m_old - m_new; (2) the
-    corrections, eight pairs a vector; (3) the weights exp(s - m_new), one 16-lane vector a
-    step; (4) each pair's sum of weights, running sum and rescaled output. Straight-line code
-    for four pairs at a time (before) kept sixteen vectors of exponentials in flight, which
-    spilled: the step took 1.2-1.7x this one's time for 3 to 24 pairs (a decoding query's
-    heads), about the same for 48 (a prefill task's: attention 0.96-1.0x the time). A pair
-    that sees no key subtracts +inf, so that its weights are exp(-inf) = 0, and keeps its
-    state (correction 1). The exponentials are nn._exp's bit for bit (nn._ir_exp); a block's
-    sum of weights is a fixed tree over its lanes, the same in every caller."""
+    corrections, eight pairs a vector; (3) the weights exp(s - m_new), a pair a step; (4) each
+    pair's sum of weights, running sum and rescaled output. Straight-line code for four pairs
+    at a time (before) kept sixteen vectors of exponentials in flight, which spilled: the step
+    took 1.2-1.7x this one's time for 3 to 24 pairs (a decoding query's heads), about the same
+    for 48 (a prefill task's: attention 0.96-1.0x the time). A pair that sees no key
+    subtracts +inf, so that its weights are exp(-inf) = 0, and keeps its state (correction 1).
+    The exponentials are nn._exp's bit for bit (nn._ir_exp); a block's sum of weights is a
+    fixed tree over its lanes, the same in every caller."""
     f32 = types.float32
     if not (_is_c_array(s, f32, 3) and isinstance(n, types.Integer) and _is_c_array(m, f32, 2)
             and _is_c_array(l, f32, 2) and _is_c_array(acc, f32, 3)):
@@ -92,8 +92,9 @@ def _rescale_rows(typingctx, s, n, m, l, acc):
         D = builder.extract_value(aa.shape, 2)
         nn = builder.trunc(context.cast(builder, args[1], sig.args[1], types.intp), i32)
         # per pair of a batch: m_old - m_new, then the correction; the subtrahend of its scores
-        corr = cgutils.alloca_once(builder, _F32T, size=_RESCALE_ROWS)
-        sub = cgutils.alloca_once(builder, _F32T, size=_RESCALE_ROWS)
+        # (zeroed once a call: phase 2 takes whole vectors of eight, past a short batch's last pair)
+        corr, sub = (builder.bitcast(cgutils.alloca_once(builder, ir.ArrayType(_F32T, _RESCALE_ROWS)),
+                                     _F32T.as_pointer()) for _ in range(2))
 
         def scores(r, v):  # 16 scores of pair r from key 16 v, those past n as -inf
             x = _ir_load(builder, sa.data, builder.add(builder.mul(r, c(_BLOCK)), c(16 * v)), _V16, 4)
@@ -120,30 +121,19 @@ def _rescale_rows(typingctx, s, n, m, l, acc):
                 builder.store(builder.fsub(mo, mn), builder.gep(corr, [loop.index]))
                 builder.store(builder.select(empty, ir.Constant(_F32T, inf), mn), builder.gep(sub, [loop.index]))
                 builder.store(mn, builder.gep(ma.data, [r]))
-            last = builder.sub(nb, c(1))
+            v8 = _vec(_F32T, 8)
             with cgutils.for_range_slice(builder, c(0), nb, c(8), inc=True) as (j0, _):  # (2)
-                at = [builder.add(j0, c(u)) for u in range(8)]
-                at = [builder.select(builder.icmp_signed("<", a, nb), a, last) for a in at]  # short: the last again
-                dv, sv = cf(0.0, 8), cf(0.0, 8)
-                for u, a in enumerate(at):
-                    dv = builder.insert_element(dv, builder.load(builder.gep(corr, [a])), ir.Constant(i32, u))
-                    sv = builder.insert_element(sv, builder.load(builder.gep(sub, [a])), ir.Constant(i32, u))
-                cv = builder.select(builder.fcmp_ordered("==", sv, cf(inf, 8)), cf(1.0, 8), _ir_exp(builder, dv))
-                for u, a in enumerate(at):
-                    builder.store(builder.extract_element(cv, ir.Constant(i32, u)), builder.gep(corr, [a]))
-            with cgutils.for_range(builder, builder.mul(nb, c(_BLOCK // 16))) as loop:  # (3)
-                j = loop.index
-                v = builder.urem(j, c(_BLOCK // 16))
-                r = builder.add(b0, builder.udiv(j, c(_BLOCK // 16)))
-                at = builder.add(builder.mul(r, c(_BLOCK)), builder.mul(v, c(16)))
-                x = _ir_load(builder, sa.data, at, _V16, 4)
-                seen = builder.icmp_signed("<", builder.add(ir.Constant(_vec(i32, 16), list(range(16))),
-                                                            _ir_splat(builder, builder.trunc(builder.mul(v, c(16)), i32),
-                                                                      16)),
-                                           _ir_splat(builder, nn, 16))
-                ms = _ir_splat(builder, builder.load(builder.gep(sub, [builder.udiv(j, c(_BLOCK // 16))])), 16)
-                p = _ir_exp(builder, builder.fsub(builder.select(seen, x, cf(ninf)), ms))
-                builder.store(p, builder.bitcast(builder.gep(sa.data, [at]), _V16.as_pointer()), align=4)
+                sv = _ir_load(builder, sub, j0, v8, 4)
+                cv = builder.select(builder.fcmp_ordered("==", sv, cf(inf, 8)), cf(1.0, 8),
+                                    _ir_exp(builder, _ir_load(builder, corr, j0, v8, 4)))
+                builder.store(cv, builder.bitcast(builder.gep(corr, [j0]), v8.as_pointer()), align=4)
+            with cgutils.for_range(builder, nb) as loop:  # (3)
+                r = builder.add(b0, loop.index)
+                ms = _ir_splat(builder, builder.load(builder.gep(sub, [loop.index])), 16)
+                for v in range(_BLOCK // 16):
+                    p = _ir_exp(builder, builder.fsub(scores(r, v), ms))
+                    at = builder.add(builder.mul(r, c(_BLOCK)), c(16 * v))
+                    builder.store(p, builder.bitcast(builder.gep(sa.data, [at]), _V16.as_pointer()), align=4)
             d16 = builder.mul(builder.udiv(D, c(16)), c(16))
             with cgutils.for_range(builder, nb) as loop:  # (4)
                 r = builder.add(b0, loop.index)
