@@ -1,6 +1,7 @@
 """The CUDA backend on a real GPU: prefill and decode tokens/s, with the decode steps replayed
-as a CUDA graph and run eagerly, against HF transformers (CUDA, float32) on the same GGUF; the
-cost of one kernel launch. Never a pass/fail test; bench/gpu_check.sh runs it where a GPU is lent.
+as a CUDA graph and run eagerly, against HF transformers (CUDA, float32) on the same GGUF; a
+batch of 64 prompts against the CPU engine's throughput (gpu_prep.py's); the cost of one
+kernel launch. Never a pass/fail test; bench/gpu_check.sh runs it where a GPU is lent.
 
     python bench/bench_gpu.py [--model PATH ...] [--prompt 128] [--gen 64] [--cpu]
 
@@ -22,6 +23,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from npllama.bench import run_bench  # noqa: E402
 
@@ -137,12 +139,36 @@ def breakdown(model, ids) -> None:
     L = model.layers[0]
     for w in (L.wq, L.wk, L.w_up, L.w_down, model.output):
         d = model.device_weights[w.name]
-        x = cupy.ones(d.cols, np.float32)
-        o = cupy.empty(d.rows, np.float32)
+        x = cupy.ones((1, d.cols), np.float32)
+        o = cupy.empty((1, d.rows), np.float32)
         us = gpu_us(model, lambda: K.matvec(d.kind, d.scales, d.quants, x, o, d.rows, d.cols,
                                             stream=model.launch_stream))
         mb = (d.scales.nbytes + d.quants.nbytes) / 1e6
         print(f"  mat-vec {w.name:22s} {d.rows}x{d.cols} ({mb:.1f} MB read): {us:.1f} us ({mb / us:.2f} TB/s)")
+
+
+def batch(model, path: str) -> None:
+    """gpu_prep.py's batch of 64 prompts through `complete_many` on the device (continuous
+    batching over a device pool, all 64 at once), against the CPU engine's throughput and
+    tokens on the same batch, which gpu_prep.py measured where it ran (in NAME.npz beside the
+    model)."""
+    from gpu_prep import BATCH, BATCH_GEN, batch_prompts
+    from npllama.generation.scheduler import complete_many
+    prompts, best = batch_prompts(model.config.n_vocab), 0.0
+    for _ in range(2):
+        t0 = time.perf_counter()
+        done = complete_many(model, prompts, max_tokens=BATCH_GEN, temperature=0, max_batch=BATCH)
+        best = max(best, sum(len(c.tokens) for c in done) / (time.perf_counter() - t0))
+    line = f"batch of {BATCH} prompts ({len(prompts[0])} tokens, {BATCH_GEN} generated): {best:.1f} tok/s generated"
+    ref = Path(path).with_suffix(".npz")
+    if ref.exists():
+        ref = np.load(ref)
+        same = sum(list(ref["cpu_batch_tokens"][i][:len(c.tokens)]) == [t.id for t in c.tokens]
+                   for i, c in enumerate(done))
+        line += (f"; the CPU engine where gpu_prep.py ran: {float(ref['cpu_batch_tok_s']):.1f} tok/s, so "
+                 f"{best / float(ref['cpu_batch_tok_s']):.1f}x (target >= 10x); {same}/{BATCH} outputs "
+                 f"token-identical to the CPU's")
+    print(line, flush=True)
 
 
 def bench_model(path: str, args) -> None:
@@ -152,6 +178,7 @@ def bench_model(path: str, args) -> None:
     ids = np.random.default_rng(0).integers(3, gpu.config.n_vocab, args.prompt).tolist()
     rows = {"npllama cuda (graphs)": rates(gpu, ids, args.gen)}
     breakdown(gpu, ids)
+    batch(gpu, path)
     gpu.graphs = False
     rows["npllama cuda (eager)"] = rates(gpu, ids, args.gen)
     del gpu

@@ -11,7 +11,7 @@ import types
 import pytest
 
 cuda = pytest.importorskip("numba.cuda", reason="numba-cuda is installed by the test extra")
-from numba import boolean, float32, int8, int64, uint8  # noqa: E402
+from numba import boolean, float32, int8, int32, int64, uint8  # noqa: E402
 from numba.core.types import float16  # noqa: E402
 
 import npllama  # noqa: E402
@@ -19,14 +19,14 @@ from npllama.backends.cuda import kernels as K  # noqa: E402
 
 f32_1, f32_2, f32_3 = float32[::1], float32[:, ::1], float32[:, :, ::1]
 SIGNATURES = {
-    "_matvec_kernel": [(int64, f32_3, q[:, :, ::1], f32_1, f32_1, int64, int64) for q in (int8, uint8)],
+    "_matvec_kernel": [(int64, f32_3, q[:, :, ::1], f32_2, f32_2, int64, int64) for q in (int8, uint8)],
     "_dequantize_kernel": [(int64, f32_3, q[:, :, ::1], f32_2, int64, int64) for q in (int8, uint8)],
     "_rmsnorm_kernel": [(f32_2, f32_1, float32, f32_2, int64)],
     "_rope_kernel": [(f32_3, int64[::1], f32_2, f32_2, boolean, int64)],
     "_glu_kernel": [(f32_1, f32_1, f32_1, int64, int64)],
     "_store_kv_kernel": [(kv[:, :, :, ::1], f32_3, f32_3, int64[::1]) for kv in (float32, float16)],
-    "_attention_split_kernel": [(f32_3, kv[:, :, :, ::1], int64[::1], int64, float32, int64, f32_2, f32_2, f32_3)
-                                for kv in (float32, float16)],
+    "_attention_split_kernel": [(f32_3, kv[:, :, :, :, ::1], int32[:, ::1], int64[::1], int64[::1], int64, float32,
+                                 int64, f32_2, f32_2, f32_3) for kv in (float32, float16)],
     "_attention_merge_kernel": [(f32_2, f32_2, f32_3, f32_3, int64)],
 }
 

@@ -100,10 +100,14 @@ def test_matvec_and_dequantize_on_the_models_weights(model_and_ref, cupy):
     for qtype, w in seen.items():
         d = gpu.device_weights[w.name]
         exact = gq.dequantize(w.data, qtype).reshape(w.rows, w.cols)
-        x = rng.standard_normal(w.cols).astype(np.float32)
-        out = K.matvec(d.kind, d.scales, d.quants, cupy.asarray(x), cupy.empty(d.rows, np.float32), d.rows, d.cols)
-        want = exact.astype(np.float64) @ x
+        x = rng.standard_normal((9, w.cols)).astype(np.float32)  # two blocks of rows of x, the second short
+        out = K.matvec(d.kind, d.scales, d.quants, cupy.asarray(x), cupy.empty((9, d.rows), np.float32), d.rows,
+                       d.cols)
+        want = x.astype(np.float64) @ exact.T.astype(np.float64)
         np.testing.assert_allclose(out.get(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max(), err_msg=qtype.name)
+        one = K.matvec(d.kind, d.scales, d.quants, cupy.asarray(x[8:]), cupy.empty((1, d.rows), np.float32), d.rows,
+                       d.cols)
+        np.testing.assert_array_equal(one.get()[0], out.get()[8], err_msg=qtype.name)  # whatever its neighbours
         full = K.dequantize(d.kind, d.scales, d.quants, cupy.empty((d.rows, d.cols), np.float32), d.rows, d.cols)
         # equal but for the last bit where the GPU fuses a scale's multiply and a minimum's add
         np.testing.assert_allclose(full.get(), exact, rtol=2e-7, atol=1e-7 * np.abs(exact).max(), err_msg=qtype.name)
@@ -118,8 +122,9 @@ def test_attention_against_numpy(cupy, kv_len):
     kv = rng.standard_normal((kv_len + 5, 3, 2, 64)).astype(np.float16)
     q = rng.standard_normal((1, 9, 64)).astype(np.float32)
     positions = cupy.asarray(np.array([kv_len - 1]))
-    out = K.attention(cupy.asarray(q), cupy.asarray(kv), positions, -(-(kv_len + 5) // K.SPLIT) + 1, 0, 0.125,
-                      cupy.empty((1, 9, 64), np.float32), cupy)
+    one_page, seq_of = cupy.zeros((1, 1), np.int32), cupy.zeros(1, np.int64)
+    out = K.attention(cupy.asarray(q), cupy.asarray(kv[None]), one_page, seq_of, positions,
+                      -(-(kv_len + 5) // K.SPLIT) + 1, 0, 0.125, cupy.empty((1, 9, 64), np.float32), cupy)
     k, v = kv[:kv_len, :, 0].astype(np.float64), kv[:kv_len, :, 1].astype(np.float64)
     want = np.empty((9, 64))
     for h in range(9):
@@ -127,3 +132,29 @@ def test_attention_against_numpy(cupy, kv_len):
         p = np.exp(sc - sc.max())
         want[h] = p @ v[:, h // 3] / p.sum()
     np.testing.assert_allclose(out.get()[0], want, rtol=1e-4, atol=1e-5)
+
+
+def test_batched_pass_equals_sessions(model_and_ref):
+    """The device's packed pass (generate_batch's) gives each sequence an eager session's
+    logits bit for bit: three prompts of different lengths in one pass, then decode steps
+    (the first eager, the second captured as a graph, the rest replayed)."""
+    import npllama
+    from npllama.engine.batch import forward_batch
+    gpu, ref = model_and_ref
+    prompt = [int(t) for t in ref["prompt"]]
+    prompts, steps = [prompt, prompt[:2], prompt[1:] + prompt], [int(t) for t in ref["steps"][:4]]
+    gpu.graphs = False
+    try:
+        sessions = [gpu.session() for _ in prompts]
+        want = [[s.feed(p, all_logits=True) for s, p in zip(sessions, prompts)]]
+        want += [[s.feed([t]) for s in sessions] for t in steps]
+    finally:
+        gpu.graphs = True
+    pool = npllama.KVPool.for_model(gpu, tokens=3 * (2 * len(prompt) + 8))
+    seqs = [pool.new_seq() for _ in prompts]
+    got = [forward_batch(gpu, pool, seqs, prompts, all_logits=True)]
+    got += [forward_batch(gpu, pool, seqs, [[t]] * 3) for t in steps]
+    assert any(st.graph is not None for st in pool.steps.values()), "no batched step was captured"
+    for g, w in zip(got, want):
+        for a, b in zip(g, w):
+            np.testing.assert_array_equal(a, b)

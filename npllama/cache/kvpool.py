@@ -106,6 +106,8 @@ class KVPool:
         dtype: float32 (default) or float16 storage; attention always accumulates in float32.
     """
 
+    device = "cpu"  # where the pages are (backends.cuda.model.DeviceKVPool: "cuda")
+
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_pages: int,
                  page_size: int = 16, dtype=np.float32):
         for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim),
@@ -117,33 +119,35 @@ class KVPool:
             raise ValueError(f"KVPool: dtype must be float32 or float16, got {dtype}")
         self.n_layers, self.n_kv_heads, self.head_dim = int(n_layers), int(n_kv_heads), int(head_dim)
         self.n_pages, self.page_size, self.dtype = int(n_pages), int(page_size), dtype
-        shape = (self.n_pages, self.page_size, self.n_kv_heads, 2, self.head_dim)
-        check_fits(self.n_layers * math.prod(shape) * dtype.itemsize,
-                   f"a {dtype} KV pool of {self.n_pages} pages x {self.page_size} positions ({self.n_layers} "
-                   f"layers x {self.n_kv_heads} KV heads x {self.head_dim})",
-                   "use fewer pages (fewer or shorter sequences)" + (", or float16" if dtype == np.float32 else ""))
-        self._all = zeros((self.n_layers, *shape), dtype)  # the system's default pages: memory.zeros
+        self._all = self._alloc((self.n_layers, self.n_pages, self.page_size, self.n_kv_heads, 2, self.head_dim))
         self._bufs = tuple(self._all)  # each layer's view
         # flat views (n_pages * page_size, KVH, 2, D) of the same memory, for slot scatters
         self._flat = tuple(b.reshape(-1, self.n_kv_heads, 2, self.head_dim) for b in self._bufs)
-        assert all(np.shares_memory(f, b) for f, b in zip(self._flat, self._bufs))
         self._refs = np.zeros(self.n_pages, np.int32)
         self._free = list(range(self.n_pages - 1, -1, -1))  # a stack: pop() gives low ids first
         self._ids = itertools.count()
         self.prefix = PrefixCache(self)
 
+    def _alloc(self, shape) -> np.ndarray:
+        """Every layer's pages, zeroed (the system's default pages: memory.zeros), after checking
+        that they fit in memory."""
+        check_fits(math.prod(shape) * self.dtype.itemsize,
+                   f"a {self.dtype} KV pool of {self.n_pages} pages x {self.page_size} positions ({self.n_layers} "
+                   f"layers x {self.n_kv_heads} KV heads x {self.head_dim})",
+                   "use fewer pages (fewer or shorter sequences)" + (", or float16" if self.dtype == np.float32 else ""))
+        return zeros(shape, self.dtype)
+
     @classmethod
     def for_model(cls, model, n_pages: int | None = None, *, tokens: int | None = None,
                   page_size: int = 16, dtype=None) -> "KVPool":
-        """A pool shaped for `model`: `n_pages` pages, or enough pages for `tokens` positions,
-        storing `dtype` (by default the model's `kv_dtype`)."""
-        cfg = model.config
+        """A pool shaped for `model` and on its device (`model.new_pool`): `n_pages` pages, or
+        enough pages for `tokens` positions, storing `dtype` (by default the model's `kv_dtype`)."""
         dtype = model.kv_dtype if dtype is None else dtype
         if n_pages is None:
             if tokens is None:
                 raise ValueError("KVPool.for_model: give n_pages or tokens")
             n_pages = max(1, -(-int(tokens) // page_size))
-        return cls(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, n_pages, page_size, dtype)
+        return model.new_pool(n_pages, page_size, dtype)
 
     # ---- inspection -----------------------------------------------------------------------
     def buffer(self, layer: int) -> np.ndarray:

@@ -21,7 +21,9 @@ in one compiled call and one parallel region (engine/packed.py: the same routine
 rows, so the same bits; a 16-sequence int8 decode pass 0.85-0.88x the time). Passes run in
 chunks of CHUNK_TOKENS packed tokens (a later chunk attends to keys an earlier one wrote),
 which keeps the activations in cache. Weights whose sizes are not whole 32-element blocks
-take the tiled-dequant + BLAS path, as Model.forward's prefill does.
+take the tiled-dequant + BLAS path, as Model.forward's prefill does. A model on a CUDA device
+runs the pass itself (`CudaModel.forward_packed`), over a pool whose pages are in device memory
+(`KVPool.for_model` makes it on the model's device).
 
 Continuous batching (generation/scheduler.py) and beam search (generation/beam.py) step
 many sequences through `forward_batch`.
@@ -55,6 +57,9 @@ _BLAS_CHUNK = 512       # packed tokens per pass on that path (as Model.forward'
 
 def _check_pool(model, pool: KVPool) -> None:
     cfg = model.config
+    if pool.device != model.device:
+        raise ValueError(f"the KV pool is on device {pool.device!r} and the model on {model.device!r}: make the "
+                         f"pool with KVPool.for_model(model, ...)")
     if (pool.n_layers, pool.n_kv_heads, pool.head_dim) != (cfg.n_layer, cfg.n_head_kv, cfg.head_dim):
         raise ValueError(f"the KV pool is shaped for (layers, kv heads, head dim) = "
                          f"{(pool.n_layers, pool.n_kv_heads, pool.head_dim)}, this model needs "
@@ -84,11 +89,27 @@ def forward_batch(model, pool: KVPool, seqs: Sequence[PoolSeq], token_lists, *, 
                                 for s, n in zip(seqs, counts)])
     model.ropes.check(positions)
     slots = np.concatenate(pool.reserve(seqs, counts))
-    cfg = model.config
     T, B = len(positions), len(seqs)
     ids = np.concatenate(ids_list)
     seq_of_token = np.repeat(np.arange(B, dtype=np.int64), counts)
     tables = pool.tables(seqs)
+    ends = np.cumsum(counts)
+    want = np.arange(T) if all_logits else ends - 1  # the tokens whose logits are returned
+    if model.device != "cpu":
+        logits = model.forward_packed(pool, ids, positions, slots, seq_of_token, tables, want)
+    else:
+        logits = _forward_cpu(model, pool, ids, positions, slots, seq_of_token, tables, want, threads)
+    for s, t in zip(seqs, ids_list):
+        pool.commit(s, t)
+    if not all_logits:
+        return list(logits)
+    return np.split(logits, ends[:-1])
+
+
+def _forward_cpu(model, pool, ids, positions, slots, seq_of_token, tables, want, threads):
+    """The packed pass on the CPU: the logits (len(want), n_vocab) of the tokens `want`."""
+    cfg = model.config
+    T = len(ids)
     scale = np.float32(cfg.attn_scale)
     kv_bufs = [bits(b) for b in pool.buffers()]
     threads = check_threads(threads) or model.threads
@@ -96,8 +117,6 @@ def forward_batch(model, pool: KVPool, seqs: Sequence[PoolSeq], token_lists, *, 
     compiled = COMPILED_LAYERS and rows_kernels and packed.fits(model)
     chunk = CHUNK_TOKENS if rows_kernels else _BLAS_CHUNK
     end = int(positions.max()) + 1
-    ends = np.cumsum(counts)
-    want = np.arange(T) if all_logits else ends - 1  # the tokens whose logits are returned
     hidden = np.empty((len(want), cfg.n_embd), np.float32)
     with using_threads(threads):
         # consecutive chunks of the packed tokens: a later chunk's tokens attend to the keys
@@ -120,12 +139,7 @@ def forward_batch(model, pool: KVPool, seqs: Sequence[PoolSeq], token_lists, *, 
                 block.run_layers(model, x, positions[c0:c1], _ops(model, paged_attention, rows_kernels), end)
             lo, hi = np.searchsorted(want, (c0, c1))
             hidden[lo:hi] = x[want[lo:hi] - c0]
-        logits = _head(model, hidden, _ops(model, None, rows_kernels))
-    for s, t in zip(seqs, ids_list):
-        pool.commit(s, t)
-    if not all_logits:
-        return list(logits)
-    return np.split(logits, ends[:-1])
+        return _head(model, hidden, _ops(model, None, rows_kernels))
 
 
 def _ops(model, attention, rows_kernels):
@@ -150,10 +164,10 @@ def steps_match(model) -> bool:
 
 def decodes_alone(model) -> bool:
     """Whether `decode_alone` applies to `model`: a packed pass's results equal the fused
-    step's (`steps_match`), and no mixture of experts (which the fused step does not run).
-    Otherwise a lone sequence takes the packed pass as in a batch: its results then do not
-    depend on the batch."""
-    return not model.config.n_expert and steps_match(model)
+    step's (`steps_match`), no mixture of experts (which the fused step does not run), and the
+    CPU (the fused step's). Otherwise a lone sequence takes the packed pass as in a batch: its
+    results then do not depend on the batch."""
+    return model.device == "cpu" and not model.config.n_expert and steps_match(model)
 
 
 def decode_alone(model, pool: KVPool, seq: PoolSeq, token: int, *, threads: int | None = None) -> np.ndarray:

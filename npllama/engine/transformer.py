@@ -131,6 +131,12 @@ class Transformer:
         cfg = self.config
         return KVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, capacity=capacity, dtype=self.kv_dtype)
 
+    def new_pool(self, n_pages: int, page_size: int, dtype):
+        """A paged KV pool shaped for this model (`KVPool.for_model` makes one by pages or tokens)."""
+        from ..cache.kvpool import KVPool
+        cfg = self.config
+        return KVPool(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, n_pages, page_size, dtype)
+
     def session(self, *, ctx: int | None = None, threads: int | None = None):
         """A new inference session: one KV cache, and a position that is always its length."""
         from .session import Session

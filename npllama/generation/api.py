@@ -186,13 +186,13 @@ def generate_batch(model, prompts: Sequence, *, progress: bool | None = None, **
 
     Prompts run together with continuous batching (`npllama.scheduler.generate_many`: new prompts
     join as others finish, shared prefixes are computed once); with greedy sampling each result
-    equals running that prompt alone. Where that equality could not hold, the prompts run one
-    by one: on a CUDA device (the batched pass runs on the CPU), and in int8 mode for a model
-    with a product weight of a type without panels (kernels/panels.py), which the decode step
-    and the batched pass would compute with different kernels.
+    equals running that prompt alone (on a CUDA device too: its batched pass computes each token
+    as a session does). Where that equality could not hold, the prompts run one by one: in int8
+    mode for a model with a product weight of a type without panels (kernels/panels.py), which
+    the decode step and the batched pass would compute with different kernels.
     """
     from ..engine.batch import steps_match
-    if model.device == "cpu" and steps_match(model):
+    if steps_match(model):
         from .scheduler import generate_many
         return generate_many(model, prompts, progress=progress, **options)
     results = []

@@ -40,11 +40,16 @@ def weight(qtype, rows, cols):
                   QT.F16, QT.F32)
     for rows, cols in ((1, 32), (7, 96), (3, 512)) if qtype not in K_QUANTS or cols % 256 == 0])
 def test_matvec_and_dequantize(qtype, rows, cols):
+    """The mat-vec of one activation row and of 11 (two blocks of rows of x, the second short):
+    each row's bits the same either way, whatever its neighbours."""
     w, ref = weight(qtype, rows, cols)
     d = upload(w, np)
-    x = RNG.standard_normal(2 * cols).astype(np.float32)[::2]  # non-contiguous
-    out = K.matvec(d.kind, d.scales, d.quants, x, np.empty(rows, np.float32), rows, cols)
-    np.testing.assert_allclose(out, ref @ x.astype(np.float64), rtol=1e-5, atol=1e-4)
+    x = RNG.standard_normal((11, 2 * cols)).astype(np.float32)[:, ::2]  # non-contiguous
+    out = K.matvec(d.kind, d.scales, d.quants, x, np.empty((11, rows), np.float32), rows, cols)
+    np.testing.assert_allclose(out, x.astype(np.float64) @ ref.T, rtol=1e-5, atol=1e-4)
+    for s in (0, 10):
+        one = K.matvec(d.kind, d.scales, d.quants, x[s:s + 1], np.empty((1, rows), np.float32), rows, cols)
+        np.testing.assert_array_equal(one[0], out[s])
     full = K.dequantize(d.kind, d.scales, d.quants, np.empty((rows, cols), np.float32), rows, cols)
     np.testing.assert_array_equal(full, ref.astype(np.float32))
 
@@ -86,12 +91,14 @@ def test_glu(act, n):
     np.testing.assert_allclose(out, g64 / (1 + np.exp(-z)) * u, rtol=1e-5, atol=1e-6)
 
 
-def attention_ref(q, kv, positions, window, scale):
+def attention_ref(q, keys_of, positions, window, scale, group):
+    """float64 attention of queries q (S, H, D) at `positions`; keys_of(s) gives query s's
+    sequence's records (positions, KVH, 2, D)."""
     S, H, D = q.shape
-    group = H // kv.shape[1]
     out = np.zeros((S, H, D))
     for s in range(S):
         p = positions[s]
+        kv = keys_of(s)
         keys = [t for t in range(p + 1) if window == 0 or t > p - window]
         for h in range(H):
             k = kv[keys, h // group, 0].astype(np.float64)
@@ -106,16 +113,46 @@ def attention_ref(q, kv, positions, window, scale):
 @pytest.mark.parametrize("S,kv_len,window,extra", [(1, 1, 0, 0), (1, 70, 0, 0), (4, 9, 0, 0), (3, 70, 5, 0),
                                                    (1, 70, 0, 2), (2, 5, 3, 1)])
 def test_attention(dtype, S, kv_len, window, extra):
-    """Queries at the last S of kv_len positions; `extra` splits past the keys (a CUDA graph
-    launches the splits of the cache's whole capacity) change nothing."""
+    """A session's cache: queries at the last S of kv_len positions of one buffer, given as a
+    single page; `extra` splits past the keys (a CUDA graph launches the splits of the cache's
+    whole capacity) change nothing."""
     H, KVH, D = 4, 2, 8
     kv = RNG.standard_normal((kv_len + 3, KVH, 2, D)).astype(dtype)
     kv[kv_len:] = np.nan  # rows past the last position are never read
     q = RNG.standard_normal((S, H, 2 * D)).astype(np.float32)[:, :, ::2]  # non-contiguous
     positions = np.arange(kv_len - S, kv_len, dtype=np.int64)
     splits = -(-kv_len // K.SPLIT) + extra
-    out = K.attention(q, kv, positions, splits, window, 0.35, np.empty((S, H, D), np.float32), np)
-    np.testing.assert_allclose(out, attention_ref(q, kv, positions, window, 0.35), rtol=1e-5, atol=1e-5)
+    out = K.attention(q, kv[None], np.zeros((1, 1), np.int32), np.zeros(S, np.int64), positions, splits, window,
+                      0.35, np.empty((S, H, D), np.float32), np)
+    np.testing.assert_allclose(out, attention_ref(q, lambda s: kv, positions, window, 0.35, H // KVH),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,page_size,window", [(np.float16, 1, 0), (np.float32, 4, 0), (np.float16, 16, 6)])
+def test_paged_attention(dtype, page_size, window):
+    """Queries of three sequences (70, 5 and 1 positions, their queries in mixed order) over a
+    pool's pages in shuffled order, a sequence's table padded with -1; unused pages hold NaN."""
+    H, KVH, D = 4, 2, 8
+    lengths = [70, 5, 1]
+    need = [-(-n // page_size) for n in lengths]
+    n_pages = sum(need) + 2
+    order = RNG.permutation(n_pages)
+    tables = np.full((3, max(need)), -1, np.int32)
+    pages = np.full((n_pages, page_size, KVH, 2, D), np.nan, dtype)
+    seq_kv = []
+    for b, n in enumerate(lengths):
+        tables[b, :need[b]] = order[sum(need[:b]):sum(need[:b + 1])]
+        kv = RNG.standard_normal((n, KVH, 2, D)).astype(dtype)
+        for t in range(n):
+            pages[tables[b, t // page_size], t % page_size] = kv[t]
+        seq_kv.append(kv)
+    seq_of = np.array([1, 0, 2, 0], np.int64)
+    positions = np.array([4, 69, 0, 33], np.int64)
+    q = RNG.standard_normal((4, H, D)).astype(np.float32)
+    out = K.attention(q, pages, tables, seq_of, positions, -(-70 // K.SPLIT), window, 0.25,
+                      np.empty((4, H, D), np.float32), np)
+    ref = attention_ref(q, lambda s: seq_kv[seq_of[s]], positions, window, 0.25, H // KVH)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
@@ -126,9 +163,9 @@ def test_store_kv(dtype, S):
     before = kv.copy()
     k = RNG.standard_normal((S, KVH, 2 * D)).astype(np.float32)[:, :, ::2]  # non-contiguous
     v = RNG.standard_normal((S, KVH, D)).astype(np.float32)
-    positions = np.array([6, 2, 7][:S], np.int64)
-    K.store_kv(kv, k, v, positions)
-    before[positions, :, 0] = k
-    before[positions, :, 1] = v
+    slots = np.array([6, 2, 7][:S], np.int64)
+    K.store_kv(kv, k, v, slots)
+    before[slots, :, 0] = k
+    before[slots, :, 1] = v
     np.testing.assert_array_equal(kv, before)
 

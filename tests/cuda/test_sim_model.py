@@ -8,7 +8,8 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 import npllama
-from npllama.backends.cuda.model import CudaModel, DeviceKVCache
+from npllama.backends.cuda.model import CudaModel, DeviceKVCache, DeviceKVPool
+from npllama.engine.batch import forward_batch
 from tinygguf import write_tiny_llama
 
 
@@ -62,3 +63,50 @@ def test_architecture_fixture_matches_cpu(arch):
     ids = [1, 5, 9, 13, 17, 21]
     close(s1.feed(ids, all_logits=True), s2.feed(ids, all_logits=True))
     close(s1.feed([4]), s2.feed([4]))
+
+
+def test_batched_pass_equals_sessions(models):
+    """`forward_batch` on the device, over a pool in device memory: each sequence gets a device
+    session's logits bit for bit, for prompts of different lengths in one pass (pages of 3,
+    so a prompt spans two), a decode step of both (the fixed-shape step a GPU captures), and a
+    fork that shares its pages and then writes into a shared one (copy on write) beside its
+    source."""
+    _, gpu = models
+    pool = npllama.KVPool.for_model(gpu, tokens=32, page_size=3)
+    assert isinstance(pool, DeviceKVPool) and isinstance(pool.buffer(0), gpu.xp.ndarray)
+    prompts = [[5, 70, 80, 90], [7]]
+    seqs, sessions = [pool.new_seq() for _ in prompts], [gpu.session() for _ in prompts]
+    for got, s, p in zip(forward_batch(gpu, pool, seqs, prompts, all_logits=True), sessions, prompts):
+        np.testing.assert_array_equal(got, s.feed(p, all_logits=True))
+    for got, s, t in zip(forward_batch(gpu, pool, seqs, [[3], [4]]), sessions, [3, 4]):
+        np.testing.assert_array_equal(got, s.feed([t]))
+    assert len(pool.steps) == 1
+    fork, twin = pool.fork(seqs[0]), sessions[0].fork()
+    shared = fork.pages[1]
+    got = forward_batch(gpu, pool, [fork, seqs[0]], [[8, 2], [9]])
+    np.testing.assert_array_equal(got[0], twin.feed([8, 2]))
+    np.testing.assert_array_equal(got[1], sessions[0].feed([9]))
+    assert (fork.length, seqs[0].length) == (7, 6) and fork.pages[1] != shared == seqs[0].pages[1]
+
+
+def test_generate_batch_steps_prompts_together(models, monkeypatch):
+    """`generate_batch` on the device steps its prompts together (continuous batching over a
+    device pool: two steps for two prompts of two tokens); greedy, each result is that prompt's
+    alone (the CPU engine's, which a device session's logits equal to float rounding)."""
+    from npllama.generation import scheduler
+    cpu, gpu = models
+    stats, many = {}, scheduler.generate_many
+    monkeypatch.setattr(scheduler, "generate_many", lambda *a, **o: many(*a, **o, stats=stats))
+    prompts = ["hello", "a b c"]
+    assert gpu.generate_batch(prompts, max_tokens=2, temperature=0) == [
+        cpu.generate(p, max_tokens=2, temperature=0) for p in prompts]
+    assert stats["steps"] == 2
+
+
+def test_pool_on_the_wrong_device(models):
+    cpu, gpu = models
+    with pytest.raises(ValueError, match="KVPool.for_model"):
+        forward_batch(gpu, npllama.KVPool.for_model(cpu, tokens=8), [None], [[1]])
+    host_pool = npllama.KVPool.for_model(cpu, tokens=8)
+    with pytest.raises(ValueError, match="on device 'cuda' and the model on 'cpu'"):
+        forward_batch(cpu, npllama.KVPool.for_model(gpu, tokens=8), [host_pool.new_seq()], [[1]])

@@ -6,15 +6,16 @@ Every kernel runs unchanged in Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1, N
 place of CuPy's), which is how they are tested on machines without a GPU. Two things differ
 between the simulator and a GPU, both fixed at import:
 - Reductions across the lanes that share a row take a shared-memory tree in the simulator
-  (which has no warp shuffles) and warp shuffles on a GPU (`_lane_sum`);
+  (which has no warp shuffles) and warp shuffles on a GPU (`_lane_sums`);
   NPLLAMA_CUDA_SHARED_REDUCTIONS=1 makes a GPU take the shared-memory form too, for checking
   one form against the other (bench/gpu_check.sh).
 - `LANES`, the threads that share one row or one head, is 32 (a warp) on a GPU and 4 in the
   simulator, which runs each thread as a Python thread (~0.1 s per block of 32).
 All arithmetic is float32 (integer quants widened to int32 before they multiply).
 
-The wrappers (`matvec`, `dequantize`, `rmsnorm`, `rope`, `glu`, `attention`) take device
-arrays (CuPy's, or NumPy's in the simulator), check shapes, and launch.
+The wrappers (`matvec`, `dequantize`, `rmsnorm`, `rope`, `glu`, `store_kv`, `attention`) take
+device arrays (CuPy's, or NumPy's in the simulator), check shapes, and launch. `dequantize`
+gives a weight's float32 values, which the tests compare with gguf's to check each layout.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ SHUFFLES = not SIMULATED and os.environ.get("NPLLAMA_CUDA_SHARED_REDUCTIONS") !=
 LANES = 4 if SIMULATED else 32  # threads per row (mat-vec, norms) and per head (attention)
 ROWS_PER_BLOCK = 32 if SIMULATED else 4  # rows of a mat-vec per block of LANES * ROWS_PER_BLOCK threads
 _MATVEC_THREADS = LANES * ROWS_PER_BLOCK
+_X_ROWS = 8  # activation rows a block of the mat-vec takes, one after the other
 _LANE_DIMS = 256 // 4  # head dimensions one lane of attention owns at most: head_dim <= 256, LANES >= 4
 SPLIT = 64  # keys per block of attention (flash decoding: blocks of keys merged in order)
 _FULL = 0xFFFFFFFF
@@ -46,24 +48,41 @@ _GELU_A = float32(0.044715)
 
 
 @cuda.jit(device=True, inline=True)
-def _lane_sum(v, scratch, lane, base):
-    """The sum of `v` over the LANES threads of a row (lanes 0..LANES-1, at scratch[base:]),
-    returned to every one of them."""
+def _lane_sums(vals, n, scratch, lane, base):
+    """vals[i] = the sum of vals[i] over the LANES threads of a row, for each i < n, in every one
+    of them (the row's lanes 0..LANES-1 use rows base.. of the shared scratch (threads, n or
+    more)). Each value's sum is grouped the same whatever n; the shared-memory form waits at
+    one set of barriers for all n."""
     if not SHUFFLES:
-        scratch[base + lane] = v
+        for i in range(n):
+            scratch[base + lane, i] = vals[i]
         cuda.syncthreads()
         step = LANES // 2
         while step > 0:
             if lane < step:
-                scratch[base + lane] += scratch[base + lane + step]
+                for i in range(n):
+                    scratch[base + lane, i] += scratch[base + lane + step, i]
             cuda.syncthreads()
             step //= 2
-        total = scratch[base]
+        for i in range(n):
+            vals[i] = scratch[base, i]
         cuda.syncthreads()
-        return total
-    for off in (16, 8, 4, 2, 1):
-        v += cuda.shfl_xor_sync(_FULL, v, off)
-    return v
+        return
+    for i in range(n):
+        v = vals[i]
+        for off in (16, 8, 4, 2, 1):
+            v += cuda.shfl_xor_sync(_FULL, v, off)
+        vals[i] = v
+
+
+@cuda.jit(device=True, inline=True)
+def _lane_sum(v, scratch, lane, base):
+    """The sum of `v` over the LANES threads of a row, returned to every one of them
+    (`_lane_sums` of one value; scratch (threads, 1))."""
+    one = cuda.local.array(1, float32)
+    one[0] = v
+    _lane_sums(one, 1, scratch, lane, base)
+    return one[0]
 
 
 @cuda.jit(device=True, inline=True)
@@ -120,26 +139,36 @@ def _block_dot(kind, scales, quants, row, blk, x):
 
 @cuda.jit
 def _matvec_kernel(kind, scales, quants, x, out, rows, cols):
-    """out = W x: LANES threads a row, each taking whole quant blocks of it (F32 rows: single
-    elements), so that a lane's loads do not wait on each other; then a reduction across them.
-    (Taking one element a lane at a time, as before, took 1.2-4.2x the GPU time on SmolLM2's
-    and Gemma 3's layer products and 0.75x on their heads, and decode steps 1.11-1.14x the
-    time, on an H200: bench/bench_gpu.py, README.)"""
-    scratch = cuda.shared.array(_MATVEC_THREADS, float32)
+    """out[s] = W x[s] for the rows s of x (S, cols): a block takes ROWS_PER_BLOCK rows of W
+    and _X_ROWS rows of x (blockIdx.y), one after the other; LANES threads a row of W, each
+    taking whole quant blocks of it (F32 rows: single elements), so that a lane's loads do not
+    wait on each other; then a reduction across them, of all the block's rows of x at once. Each (s, row) dot is summed in the same
+    order whatever S, so a token's products do not depend on the tokens beside it. (Taking one
+    element a lane at a time, as before, took 1.2-4.2x the GPU time on SmolLM2's and Gemma 3's
+    layer products and 0.75x on their heads, and decode steps 1.11-1.14x the time, on an H200:
+    bench/bench_gpu.py, README.)"""
+    scratch = cuda.shared.array((_MATVEC_THREADS, _X_ROWS), float32)
+    acc = cuda.local.array(_X_ROWS, float32)
     lane = cuda.threadIdx.x % LANES
     local = cuda.threadIdx.x // LANES
     row = cuda.blockIdx.x * ROWS_PER_BLOCK + local
-    acc = float32(0.0)
-    if row < rows:
-        if kind == F32:
-            for col in range(lane, cols, LANES):
-                acc += scales[row, col, 0] * x[col]
-        else:
-            for blk in range(lane, quants.shape[1], LANES):
-                acc += _block_dot(kind, scales, quants, row, blk, x)
-    total = _lane_sum(acc, scratch, lane, local * LANES)
+    s0 = cuda.blockIdx.y * _X_ROWS
+    n = min(_X_ROWS, x.shape[0] - s0)
+    for i in range(n):
+        a = float32(0.0)
+        if row < rows:
+            xs = x[s0 + i]
+            if kind == F32:
+                for col in range(lane, cols, LANES):
+                    a += scales[row, col, 0] * xs[col]
+            else:
+                for blk in range(lane, quants.shape[1], LANES):
+                    a += _block_dot(kind, scales, quants, row, blk, xs)
+        acc[i] = a
+    _lane_sums(acc, n, scratch, lane, local * LANES)
     if row < rows and lane == 0:
-        out[row] = total
+        for i in range(n):
+            out[s0 + i, row] = acc[i]
 
 
 @cuda.jit
@@ -156,7 +185,7 @@ def _dequantize_kernel(kind, scales, quants, out, rows, cols):
 
 @cuda.jit
 def _rmsnorm_kernel(x, w, eps, out, n):
-    scratch = cuda.shared.array(LANES, float32)
+    scratch = cuda.shared.array((LANES, 1), float32)
     row = cuda.blockIdx.x
     lane = cuda.threadIdx.x
     acc = float32(0.0)
@@ -197,35 +226,40 @@ def _glu_kernel(gate, up, out, act, n):
 
 
 @cuda.jit
-def _store_kv_kernel(kv, k, v, positions):
-    """Thread (token s, KV head, dimension): its key and value into row positions[s] of the
-    interleaved layer buffer kv (capacity, KVH, 2, D), cast to the buffer's type."""
+def _store_kv_kernel(kv, k, v, slots):
+    """Thread (token s, KV head, dimension): its key and value into row slots[s] of the
+    interleaved records kv (rows, KVH, 2, D) (a cache's positions, or a pool's flat slots),
+    cast to the buffer's type."""
     i = cuda.grid(1)
     S, KVH, D = k.shape[0], k.shape[1], k.shape[2]
     if i < S * KVH * D:
         s = i // (KVH * D)
         h = (i // D) % KVH
         d = i % D
-        kv[positions[s], h, 0, d] = k[s, h, d]
-        kv[positions[s], h, 1, d] = v[s, h, d]
+        kv[slots[s], h, 0, d] = k[s, h, d]
+        kv[slots[s], h, 1, d] = v[s, h, d]
 
 
 @cuda.jit
-def _attention_split_kernel(q, kv, positions, window, scale, group, part_m, part_l, part_acc):
+def _attention_split_kernel(q, kv, tables, seq_of, positions, window, scale, group, part_m, part_l, part_acc):
     """Block (query s * H + head h, split b): online softmax over keys [b * SPLIT, (b+1) * SPLIT)
     that query s sees; lane d of the LANES threads owns dimensions d, d + LANES, ...
+    Key t of query s is record (t % page_size) of page tables[seq_of[s], t // page_size] of kv
+    (pages, page_size, KVH, 2, D): a pool's pages, or a cache's buffer as one page.
     A split past the query's keys leaves l = 0, which the merge skips: a CUDA graph launches
     the splits of the cache's capacity and reads the positions from device memory."""
-    scratch = cuda.shared.array(LANES, float32)
+    scratch = cuda.shared.array((LANES, 1), float32)
     acc = cuda.local.array(_LANE_DIMS, float32)
     sh = cuda.blockIdx.x
     b = cuda.blockIdx.y
     lane = cuda.threadIdx.x
     H = q.shape[1]
     D = q.shape[2]
+    page_size = kv.shape[1]
     s = sh // H
     h = sh % H
     kvh = h // group
+    seq = seq_of[s]
     p = positions[s]  # the query sees keys t <= p (stored before this kernel), t > p - window
     lo = b * SPLIT
     hi = min(lo + SPLIT, p + 1)
@@ -237,10 +271,12 @@ def _attention_split_kernel(q, kv, positions, window, scale, group, part_m, part
     m = float32(-3.0e38)
     l = float32(0.0)
     for t in range(lo, hi):
+        page = tables[seq, t // page_size]
+        r = t % page_size
         part = float32(0.0)
         for j in range(n_own):
             d = lane + j * LANES
-            part += q[s, h, d] * float32(kv[t, kvh, 0, d])
+            part += q[s, h, d] * float32(kv[page, r, kvh, 0, d])
         score = _lane_sum(part, scratch, lane, 0) * scale
         m_new = max(m, score)
         alpha = math.exp(m - m_new)
@@ -248,7 +284,7 @@ def _attention_split_kernel(q, kv, positions, window, scale, group, part_m, part
         l = l * alpha + w
         for j in range(n_own):
             d = lane + j * LANES
-            acc[j] = acc[j] * alpha + w * float32(kv[t, kvh, 1, d])
+            acc[j] = acc[j] * alpha + w * float32(kv[page, r, kvh, 1, d])
         m = m_new
     for j in range(n_own):
         part_acc[sh, b, lane + j * LANES] = acc[j]
@@ -301,10 +337,11 @@ def _out(name: str, a):
 
 
 def matvec(kind: int, scales, quants, x, out, rows: int, cols: int, stream=0):
-    """out[r] = sum_c W[r, c] x[c] for a weight of `kind` laid out as (scales, quants)."""
-    if x.shape != (cols,) or out.shape != (rows,):
+    """out[s, r] = sum_c W[r, c] x[s, c] for a weight of `kind` laid out as (scales, quants) and
+    activation rows x (S, cols) into out (S, rows); each row's sums the same whatever S."""
+    if x.ndim != 2 or x.shape[1] != cols or out.shape != (x.shape[0], rows):
         raise ValueError(f"matvec: x {x.shape} and out {out.shape} do not fit a ({rows}, {cols}) weight")
-    _matvec_kernel[_blocks(rows, ROWS_PER_BLOCK), _MATVEC_THREADS, stream](
+    _matvec_kernel[(_blocks(rows, ROWS_PER_BLOCK), _blocks(x.shape[0], _X_ROWS)), _MATVEC_THREADS, stream](
         kind, _c(scales), _c(quants), _c(x), _out("matvec: out", out), rows, cols)
     return out
 
@@ -347,34 +384,36 @@ def glu(gate, up, out, act: int, stream=0):
     return out
 
 
-def store_kv(kv, k, v, positions, stream=0):
-    """Keys and values k, v (S, KVH, D) into rows `positions` (S,) (a device array) of an
-    interleaved layer buffer kv (capacity, KVH, 2, D)."""
+def store_kv(kv, k, v, slots, stream=0):
+    """Keys and values k, v (S, KVH, D) into rows `slots` (S,) (a device array) of interleaved
+    records kv (rows, KVH, 2, D): a cache's layer buffer and positions, or a pool's flat slots."""
     S, KVH, D = k.shape
-    if v.shape != k.shape or kv.shape[1:] != (KVH, 2, D) or positions.shape != (S,):
-        raise ValueError(f"store_kv: kv {kv.shape}, k {k.shape}, v {v.shape} and positions {positions.shape} "
-                         f"do not fit")
-    _store_kv_kernel[_blocks(S * KVH * D, 128), 128, stream](_out("store_kv: kv", kv), _c(k), _c(v), _c(positions))
+    if v.shape != k.shape or kv.shape[1:] != (KVH, 2, D) or slots.shape != (S,):
+        raise ValueError(f"store_kv: kv {kv.shape}, k {k.shape}, v {v.shape} and slots {slots.shape} do not fit")
+    _store_kv_kernel[_blocks(S * KVH * D, 128), 128, stream](_out("store_kv: kv", kv), _c(k), _c(v), _c(slots))
     return kv
 
 
-def attention(q, kv, positions, splits: int, window: int, scale: float, out, xp, stream=0):
-    """Causal attention of queries q (S, H, D) at `positions` (S,) (a device array) over an
-    interleaved layer buffer kv (capacity, KVH, 2, D) that holds every position up to each
-    query's, into out (S, H, D); `splits` blocks of SPLIT keys cover the last query's keys
-    (more are allowed: they hold none)."""
+def attention(q, kv, tables, seq_of, positions, splits: int, window: int, scale: float, out, xp, stream=0):
+    """Causal attention of queries q (S, H, D) at `positions` (S,) into out (S, H, D). Query s
+    belongs to sequence seq_of[s], whose positions lie in the pages tables[seq_of[s]] (a row
+    of int32 page ids) of kv (pages, page_size, KVH, 2, D), which hold every position up to
+    the query's: a pool's pages, or a cache's layer buffer as a single page (tables [[0]]).
+    `splits` blocks of SPLIT keys cover the last query's keys (more are allowed: they hold
+    none). positions, seq_of and tables are device arrays."""
     S, H, D = q.shape
-    KVH = kv.shape[1]
-    if H % KVH or kv.shape[3] != D or D > 256 or out.shape != q.shape or positions.shape != (S,):
-        raise ValueError(f"attention: q {q.shape}, kv {kv.shape}, positions {positions.shape} and out "
-                         f"{out.shape} do not fit")
+    KVH = kv.shape[2]
+    if (H % KVH or kv.ndim != 5 or kv.shape[3:] != (2, D) or D > 256 or out.shape != q.shape
+            or positions.shape != (S,) or seq_of.shape != (S,) or tables.ndim != 2):
+        raise ValueError(f"attention: q {q.shape}, kv {kv.shape}, tables {tables.shape}, seq_of {seq_of.shape}, "
+                         f"positions {positions.shape} and out {out.shape} do not fit")
     splits = max(1, int(splits))
     part_m = xp.empty((S * H, splits), np.float32)
     part_l = xp.empty((S * H, splits), np.float32)
     part_acc = xp.empty((S * H, splits, D), np.float32)
-    _attention_split_kernel[(S * H, splits), LANES, stream](_c(q), _c(kv), _c(positions), window,
-                                                            np.float32(scale), H // KVH, _out("part_m", part_m),
-                                                            _out("part_l", part_l), _out("part_acc", part_acc))
+    _attention_split_kernel[(S * H, splits), LANES, stream](_c(q), _c(kv), _c(tables), _c(seq_of), _c(positions),
+                                                            window, np.float32(scale), H // KVH,
+                                                            _out("part_m", part_m), _out("part_l", part_l),
+                                                            _out("part_acc", part_acc))
     _attention_merge_kernel[S * H, D, stream](_c(part_m), _c(part_l), _c(part_acc), _out("attention: out", out), H)
     return out
-

@@ -1,16 +1,17 @@
 """A model computed on a CUDA device (or in Numba's CUDA simulator): the CPU engine's
 `Transformer`, with the same architecture description (`engine/block.run_layers`) executed by
-`DeviceOps` on device arrays, and a `DeviceKVCache`. Everything above the forward pass
-(sessions, generation, chat, scoring, embeddings) is the CPU engine's own code.
+`DeviceOps` on device arrays, a `DeviceKVCache` for sessions and a `DeviceKVPool` for batches
+(`batch.forward_batch` runs `CudaModel.forward_packed`). Everything above the forward pass
+(sessions, generation, batching, chat, scoring, embeddings) is the CPU engine's own code.
 
 Weights are uploaded once, at load, in a layout the kernels read (`upload`): Q8_0, Q4_0 and
 Q4_1 as float32 block scales (and Q4_1's minimums) beside their quants, exactly as stored;
 Q5_0 in Q8_0's form (its 5-bit values as int8), Q4_K in Q4_1's (a scale and a negated minimum
 per 32 elements, the products gguf's dequantization forms), Q5_1 and Q5_K as a byte an element
 with a scale and minimum per 32, Q6_K, Q3_K and Q2_K as a byte an element with a scale (and
-Q2_K a minimum) per 16, all exact; floats as float32 rows. A
-decode step's products are the fused mat-vec kernel on those blocks; a prompt's dequantize
-each weight to float32 on the device and multiply with the array library (cuBLAS on a GPU).
+Q2_K a minimum) per 16, all exact; floats as float32 rows. Every product is the fused mat-vec
+kernel on those blocks, a prompt's rows too: a row's sums never depend on the rows beside it,
+so a token gets the same bits alone, in a prompt or in a batch (cuBLAS's would not).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import contextlib
 import os
 import threading
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,11 +28,14 @@ from gguf import quants as gguf_quants
 
 from ...arch.weights import QWeight
 from ...cache.kvcache import KVCache
+from ...cache.kvpool import KVPool
 from ...engine import block
 from ...model import Model
 from . import kernels as K
 
 _ACTS = {"silu": K.ACT_SILU, "gelu_tanh": K.ACT_GELU_TANH}
+CHUNK_TOKENS = 512  # packed tokens a batched pass runs through the layers at once (its activations' size)
+STEPS_KEPT = 8  # shapes of batched decode step (and their graphs) a pool keeps
 
 
 @dataclass(frozen=True)
@@ -171,29 +176,64 @@ class DeviceKVCache(KVCache):
                              stream=self._stream)
 
 
+class DeviceKVPool(KVPool):
+    """`KVPool` with its pages on the device: the same layout, page tables, copy on write and
+    prefix cache (kept on the host); `write` takes device arrays. Its copies run on the model's
+    stream, and wait for it. `steps` keeps the last STEPS_KEPT shapes of batched decode step
+    run on it, with their CUDA graphs (CudaModel._batch_step)."""
+
+    device = "cuda"
+
+    def __init__(self, *args, xp, stream, launch_stream, **options):
+        self._xp, self._stream, self._launch = xp, stream, launch_stream
+        self.steps: OrderedDict = OrderedDict()  # the batched decode steps run on this pool (_BatchStep)
+        with stream:
+            super().__init__(*args, **options)
+        stream.synchronize()
+
+    def _alloc(self, shape):
+        return self._xp.zeros(shape, self.dtype)
+
+    def reserve(self, seqs, counts):
+        with self._stream:
+            out = super().reserve(seqs, counts)  # copies shared pages before they are written
+        self._stream.synchronize()
+        return out
+
+    def write(self, layer: int, slots, k, v) -> None:
+        xp = self._xp
+        with self._stream:
+            K.store_kv(self._flat[layer], xp.ascontiguousarray(k, np.float32), xp.ascontiguousarray(v, np.float32),
+                       xp.asarray(slots, np.int64), stream=self._launch)
+        self._stream.synchronize()
+
+
 class DeviceOps(block.Ops):
     """`block.Ops` on device arrays: products, norms, GLU, RoPE and attention by the kernels,
-    on the model's stream. Keys and values go to the cache rows at `positions` (a device
-    array); attention launches `splits` blocks of keys (CudaModel._run commits the cache)."""
+    on the model's stream. Each layer's new keys and values go to the flat `slots` (a device
+    array) of its records, `pages(li)` (pages, page_size, KVH, 2, D); query s finds its keys
+    through the page table tables[seq_of[s]] (a pool's pages, or a session cache's buffer as
+    one page) and attention launches `splits` blocks of keys (the caller commits the cache)."""
 
-    def __init__(self, model: "CudaModel", cache: DeviceKVCache, positions, splits: int):
+    def __init__(self, model: "CudaModel", pages, slots, tables, seq_of, positions, splits: int):
         super().__init__(model.config)
-        self.model, self.xp, self.cache = model, model.xp, cache
-        self.positions, self.splits = positions, splits
+        self.model, self.xp, self.pages = model, model.xp, pages
+        self.slots, self.tables, self.seq_of, self.positions, self.splits = slots, tables, seq_of, positions, splits
         self.stream = model.launch_stream
 
+    @classmethod
+    def for_cache(cls, model: "CudaModel", cache: "DeviceKVCache", positions, splits: int) -> "DeviceOps":
+        """A session's pass: its cache's layer buffer is one page, the positions its slots."""
+        return cls(model, lambda li: cache.buffer(li)[None], positions, model.device_zeros(1, np.int32).reshape(1, 1),
+                   model.device_zeros(len(positions), np.int64), positions, splits)
+
     def product(self, w: QWeight, h):
-        """h (S, cols) @ W.T on the device."""
+        """h (S, cols) @ W.T on the device, by the mat-vec kernel: a row's sums do not depend
+        on the rows beside it, so a token gets the same bits alone, in a prompt or in a batch."""
         d = self.model.device_weights[w.name]
-        xp = self.xp
-        if h.shape[0] == 1:
-            out = xp.empty((1, d.rows), np.float32)
-            K.matvec(d.kind, d.scales, d.quants, xp.ascontiguousarray(h[0]), out[0], d.rows, d.cols,
-                     stream=self.stream)
-            return out
-        full = K.dequantize(d.kind, d.scales, d.quants, xp.empty((d.rows, d.cols), np.float32), d.rows, d.cols,
-                            stream=self.stream)
-        return xp.ascontiguousarray(h) @ full.T
+        out = self.xp.empty((h.shape[0], d.rows), np.float32)
+        return K.matvec(d.kind, d.scales, d.quants, self.xp.ascontiguousarray(h), out, d.rows, d.cols,
+                        stream=self.stream)
 
     def norm(self, x, w):
         xp = self.xp
@@ -215,11 +255,11 @@ class DeviceOps(block.Ops):
 
     def attention(self, li, q, k, v, window):
         xp = self.xp
-        kv = self.cache.buffer(li)
-        K.store_kv(kv, k, v, self.positions, stream=self.stream)
+        pages = self.pages(li)
+        K.store_kv(pages.reshape(-1, *pages.shape[2:]), k, v, self.slots, stream=self.stream)
         q = xp.ascontiguousarray(q)
-        return K.attention(q, kv, self.positions, self.splits, int(window), self.cfg.attn_scale, xp.empty_like(q),
-                           xp, stream=self.stream)
+        return K.attention(q, pages, self.tables, self.seq_of, self.positions, self.splits, int(window),
+                           self.cfg.attn_scale, xp.empty_like(q), xp, stream=self.stream)
 
 
 class _Stream:
@@ -306,6 +346,7 @@ class CudaModel(Model):
             self.device_weights = {w.name: upload(w, xp) for w in self.product_weights()}
         self.stream.synchronize()
         self._vectors: dict[tuple, tuple] = {}
+        self._zeros: dict[np.dtype, list] = {}
         self._local = threading.local()  # forward(device_arrays=True) of this thread
 
     def device_vector(self, a: np.ndarray):
@@ -321,10 +362,29 @@ class CudaModel(Model):
                 got = self._vectors[key] = (a, xp.asarray(np.ascontiguousarray(a, dtype=np.float32)))
         return got[1]
 
+    def device_zeros(self, n: int, dtype):
+        """n zeros of `dtype` on the device, from the shared pool like `device_vector`: the page
+        tables and sequence indices of a session's pass, which has one page and one sequence. A
+        view of one array per dtype, replaced by one twice as long when too short; the shorter
+        ones stay alive, as decode graphs captured earlier read them."""
+        dtype = np.dtype(dtype)
+        kept = self._zeros.setdefault(dtype, [])
+        if not kept or len(kept[-1]) < n:
+            xp = self.xp
+            shared = contextlib.nullcontext() if xp is np else xp.cuda.using_allocator(xp.get_default_memory_pool().malloc)
+            with shared:
+                kept.append(xp.zeros(max(n, 2 * len(kept[-1]) if kept else n), dtype))
+        return kept[-1][:n]
+
     def new_cache(self, capacity: int = 0) -> DeviceKVCache:
         cfg = self.config
         return DeviceKVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, capacity, self.kv_dtype, xp=self.xp,
                              stream=self.stream)
+
+    def new_pool(self, n_pages: int, page_size: int, dtype) -> DeviceKVPool:
+        cfg = self.config
+        return DeviceKVPool(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, n_pages, page_size, dtype, xp=self.xp,
+                            stream=self.stream, launch_stream=self.launch_stream)
 
     def check_cache(self, cache) -> None:
         """ValueError unless `cache` is a device cache shaped for this model."""
@@ -353,7 +413,7 @@ class CudaModel(Model):
                 if self.graphs and len(ids) == 1 and output == "logits" and not all_logits:
                     out = self._decode(ids, cache)
                 if out is None:
-                    ops = DeviceOps(self, cache, xp.asarray(positions), -(-(pos + len(ids)) // K.SPLIT))
+                    ops = DeviceOps.for_cache(self, cache, xp.asarray(positions), -(-(pos + len(ids)) // K.SPLIT))
                     out = self._pass(xp.asarray(block.embed(self, ids)), positions, ops, pos + len(ids), all_logits,
                                      output)
                 if getattr(self._local, "device_arrays", False):
@@ -366,6 +426,66 @@ class CudaModel(Model):
             raise
         cache.commit(len(ids))
         return out
+
+    def forward_packed(self, pool: DeviceKVPool, ids, positions, slots, seq_of, tables, want) -> np.ndarray:
+        """The packed pass of `batch.forward_batch` on the device: tokens `ids` at `positions`,
+        of the sequences seq_of (indices into the page tables `tables`), their keys and values
+        into the pool's flat `slots`; returns the logits (len(want), n_vocab) of the tokens
+        `want`. In chunks of CHUNK_TOKENS, each attending to the keys the earlier ones wrote.
+        Every product, norm and attention of a token is computed as in a session's pass (the
+        mat-vec's sums do not depend on the other rows, attention reads the same keys in the
+        same order), so a sequence gets a session's bits."""
+        xp = self.xp
+        if len(ids) == len(tables):  # a decode pass: one token a sequence (a token list is never empty)
+            with self.stream:
+                return _host(self._batch_step(pool, ids, positions, slots, tables))
+        with self.stream:
+            tables_d, hidden, ops = xp.asarray(tables), [], None
+            for c0 in range(0, len(ids), CHUNK_TOKENS):
+                c1 = min(len(ids), c0 + CHUNK_TOKENS)
+                end = int(positions[c0:c1].max()) + 1
+                ops = DeviceOps(self, pool.buffer, xp.asarray(slots[c0:c1]), tables_d, xp.asarray(seq_of[c0:c1]),
+                                xp.asarray(positions[c0:c1]), -(-end // K.SPLIT))
+                x = block.run_layers(self, xp.asarray(block.embed(self, ids[c0:c1])), positions[c0:c1], ops, end)
+                lo, hi = np.searchsorted(want, (c0, c1))
+                hidden.append(x[xp.asarray(want[lo:hi] - c0)])
+            x = xp.concatenate(hidden)
+            logits = _host(block.softcap(ops.product(self.output, ops.norm(x, self.output_norm)), self.config.softcap))
+        return logits
+
+    def _batch_step(self, pool: DeviceKVPool, ids, positions, slots, tables):
+        """The logits (on the device) of a decode pass over B pool sequences, one token each, by
+        a step of fixed shapes (`_BatchStep`) for B sequences, page tables `width` wide and
+        `splits` blocks of keys (both rounded up to powers of two, so that a step serves many
+        passes): eager at its first run, captured as a CUDA graph at its second, replayed after
+        (on a GPU with graphs on; eager otherwise)."""
+        B, end = len(ids), int(positions.max()) + 1
+        width, splits = _pow2(tables.shape[1]), _pow2(-(-end // K.SPLIT))
+        cos, _ = self.ropes.tables(end)
+        key = (B, width, splits, cos.__array_interface__["data"][0])
+        st = pool.steps.pop(key, None) or _BatchStep(self, B, width, splits)
+        pool.steps[key] = st  # the most recently used last
+        while len(pool.steps) > STEPS_KEPT:
+            pool.steps.popitem(last=False)
+        padded = np.full((B, width), -1, np.int32)
+        padded[:, :tables.shape[1]] = tables
+        for buf, host in ((st.x, block.embed(self, ids)), (st.positions, positions), (st.slots, slots),
+                          (st.tables, padded)):
+            _put(buf, host)
+        if st.graph is None:
+            with st.allocator():
+                if not (self.graphs and st.runs):
+                    st.runs += 1
+                    return st.run(pool, end)
+                try:
+                    st.capture(pool, end)
+                except Exception as e:  # noqa: BLE001 - a driver or library that cannot capture: run eagerly
+                    warnings.warn(f"npllama: capturing a batched decode step as a CUDA graph failed "
+                                  f"({type(e).__name__}: {e}); batched steps run eagerly")
+                    self.graphs = False
+                    return st.run(pool, end)
+        st.graph.launch(self.stream.cupy)
+        return st.out
 
     def _decode(self, ids, cache):
         """One token's logits (on the device) by the cache's decode graph, or None where the
@@ -398,7 +518,7 @@ class CudaModel(Model):
     def _decode_pass(self, ids, cache, *, xp_positions, x=None):
         """A decode step's kernels for the graph: attention launches the splits of the whole
         capacity, so that the captured step serves every position below it."""
-        ops = DeviceOps(self, cache, xp_positions, -(-cache.capacity // K.SPLIT))
+        ops = DeviceOps.for_cache(self, cache, xp_positions, -(-cache.capacity // K.SPLIT))
         if x is None:
             x = self.xp.asarray(block.embed(self, ids))
         end = cache.length + 1
@@ -426,6 +546,54 @@ class CudaModel(Model):
             return super().forward(ids, pos, cache, all_logits=all_logits, output=output, threads=threads)
         finally:
             self._local.device_arrays = False
+
+
+class _BatchStep:
+    """A decode pass of B pool sequences (one token each) in shapes fixed for a CUDA graph: its
+    inputs in device buffers of its own (the tokens' embeddings x, positions, slots, page
+    tables `width` wide padded with -1, sequence indices 0..B-1), attention over `splits`
+    blocks of keys (those past a query's keys hold none). Its temporaries come from a memory
+    pool of its own (on a GPU), which the first, eager, run fills and the graph keeps."""
+
+    def __init__(self, model: "CudaModel", B: int, width: int, splits: int):
+        self.model, self.splits, self.runs, self.graph, self.out = model, splits, 0, None, None
+        xp = model.xp
+        self.memory = None if xp is np else xp.cuda.MemoryPool()
+        with self.allocator():
+            self.x = xp.empty((B, model.config.n_embd), np.float32)
+            self.positions, self.slots = xp.empty(B, np.int64), xp.empty(B, np.int64)
+            self.tables, self.seq_of = xp.empty((B, width), np.int32), xp.arange(B, dtype=np.int64)
+
+    def allocator(self):
+        return contextlib.nullcontext() if self.memory is None else self.model.xp.cuda.using_allocator(self.memory.malloc)
+
+    def run(self, pool: DeviceKVPool, end: int):
+        """The pass's kernels on the inputs in the buffers: the logits (B, n_vocab)."""
+        m = self.model
+        ops = DeviceOps(m, pool.buffer, self.slots, self.tables, self.seq_of, self.positions, self.splits)
+        x = block.run_layers(m, self.x, None, ops, end)  # the positions: on the device, in ops
+        return block.softcap(ops.product(m.output, ops.norm(x, m.output_norm)), m.config.softcap)
+
+    def capture(self, pool: DeviceKVPool, end: int) -> None:
+        stream = self.model.stream.cupy
+        stream.begin_capture(getattr(self.model.xp.cuda.runtime, "streamCaptureModeRelaxed", None))
+        try:
+            self.out = self.run(pool, end)
+        finally:
+            self.graph = stream.end_capture()
+
+
+def _pow2(n: int) -> int:
+    """The least power of two >= n (>= 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _put(buf, host: np.ndarray) -> None:
+    """Copy a host array into a device buffer of its shape (CuPy's .set; the simulator's NumPy)."""
+    if hasattr(buf, "set"):
+        buf.set(np.ascontiguousarray(host, dtype=buf.dtype))
+    else:
+        buf[...] = host
 
 
 def _host(a) -> np.ndarray:
