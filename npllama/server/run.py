@@ -42,10 +42,12 @@ def build(model, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | No
     return server
 
 
-def serve(model=None, *, threads: int | None = None, activations: str = "f32", kv_dtype=None, **options) -> None:
-    """Load `model` (a path, or the default model) and serve it until Ctrl-C or SIGTERM: then
-    the server takes no new requests, lets running ones finish for up to `shutdown_timeout`
-    seconds, and aborts the rest. The options are those of `build`."""
+def serve(model=None, *, threads: int | None = None, activations: str = "f32", kv_dtype=None, device: str = "cpu",
+          **options) -> None:
+    """Load `model` (a path, or the default model) on `device` and serve it until Ctrl-C or
+    SIGTERM: then the server takes no new requests, lets running ones finish for up to
+    `shutdown_timeout` seconds, and aborts the rest. The options are those of `build`. On a
+    CUDA device the requests are batched there (its KV pool in device memory)."""
     from ..model import load
     # Loaded on a thread that then ends, so that the engine thread is the only one holding a
     # team of Numba's OpenMP workers: while another thread (this one) holds a team, libgomp
@@ -53,7 +55,8 @@ def serve(model=None, *, threads: int | None = None, activations: str = "f32", k
     # regions, and each of the engine's (about 120 per batched step) then waits for its
     # workers to wake: measured on 2 cores, 40 us a region, a lone int8 request 2.5x slower.
     with ThreadPoolExecutor(1, thread_name_prefix="npllama-load") as ex:
-        m = ex.submit(load, model, threads=threads, activations=activations, kv_dtype=kv_dtype).result()
+        m = ex.submit(load, model, threads=threads, activations=activations, kv_dtype=kv_dtype,
+                      device=device).result()
     server = build(m, threads=threads, **options)
     engine = server.app.state.engine
 
