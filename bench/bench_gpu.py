@@ -1,5 +1,5 @@
 """The CUDA backend on a real GPU: prefill and decode tokens/s, with the decode steps replayed
-as a CUDA graph and run eagerly, against HF transformers (CUDA, float32) on the same GGUF; a
+as a CUDA graph (with and without the fused q/k/v and gate/up mat-vecs) and run eagerly, against HF transformers (CUDA, float32) on the same GGUF; a
 batch of 64 prompts against the CPU engine's throughput (gpu_prep.py's); the cost of one
 kernel launch. Never a pass/fail test; bench/gpu_check.sh runs it where a GPU is lent.
 
@@ -179,7 +179,9 @@ def bench_model(path: str, args) -> None:
     rows = {"npllama cuda (graphs)": rates(gpu, ids, args.gen)}
     breakdown(gpu, ids)
     batch(gpu, path)
-    gpu.graphs = False
+    gpu.fuse = False
+    rows["npllama cuda (graphs, unfused)"] = rates(gpu, ids, args.gen)
+    gpu.fuse, gpu.graphs = True, False
     rows["npllama cuda (eager)"] = rates(gpu, ids, args.gen)
     del gpu
     if args.cpu:
@@ -189,9 +191,10 @@ def bench_model(path: str, args) -> None:
     except Exception as e:  # noqa: BLE001 - reported, not fatal
         print(f"HF transformers: skipped ({type(e).__name__}: {e})")
     for name, (p, d) in rows.items():
-        print(f"{name:22s} prefill {p:9.1f} tok/s   decode {d:7.1f} tok/s", flush=True)
+        print(f"{name:30s} prefill {p:9.1f} tok/s   decode {d:7.1f} tok/s", flush=True)
     (p, d), (_, de) = rows["npllama cuda (graphs)"], rows["npllama cuda (eager)"]
-    print(f"graphs / eager decode: {d / de:.2f}x")
+    print(f"graphs / eager decode: {d / de:.2f}x; one mat-vec for q/k/v and for gate/up against one a weight: "
+          f"{d / rows['npllama cuda (graphs, unfused)'][1]:.2f}x")
     if "HF transformers cuda" in rows:
         hp, hd = rows["HF transformers cuda"]
         print(f"npllama cuda / HF transformers cuda: prefill {p / hp:.2f}x, decode {d / hd:.2f}x (target decode >= 2x)")

@@ -133,6 +133,35 @@ def upload(w: QWeight, xp) -> DeviceWeight:
                         rows, w.cols)
 
 
+def upload_all(model, xp) -> tuple[dict, dict]:
+    """Every product weight of `model` on the device (name -> DeviceWeight), and the groups a
+    token's products may take in one mat-vec: each layer's q, k and v, and its gate and up,
+    where their layouts agree (fused: the first weight's name -> (a DeviceWeight of all their
+    rows, each weight's rows)). A fused group is uploaded once; its weights are views of it."""
+    weights, fused = {}, {}
+    for L in model.layers:
+        for group in ((L.wq, L.wk, L.wv), (L.w_gate, L.w_up)):
+            if any(w is None for w in group):
+                continue
+            host = [upload(w, np) for w in group]
+            first = host[0]
+            if first.kind == K.F32 or any((h.kind, h.cols, h.scales.shape[1:], h.quants.shape[1:], h.quants.dtype)
+                                          != (first.kind, first.cols, first.scales.shape[1:],
+                                              first.quants.shape[1:], first.quants.dtype) for h in host):
+                continue
+            scales = xp.asarray(np.concatenate([h.scales for h in host]))
+            quants = xp.asarray(np.concatenate([h.quants for h in host]))
+            r0 = 0
+            for w, h in zip(group, host):
+                weights[w.name] = DeviceWeight(h.kind, scales[r0:r0 + h.rows], quants[r0:r0 + h.rows], h.rows, h.cols)
+                r0 += h.rows
+            fused[group[0].name] = (DeviceWeight(first.kind, scales, quants, r0, first.cols), [h.rows for h in host])
+    for w in model.product_weights():
+        if w.name not in weights:
+            weights[w.name] = upload(w, xp)
+    return weights, fused
+
+
 class DeviceKVCache(KVCache):
     """`KVCache` with its buffer on the device: the same interleaved layout, preallocation,
     doubling and capacity-0 rules; `append` takes device arrays. Its copies (growth, fork,
@@ -230,10 +259,28 @@ class DeviceOps(block.Ops):
     def product(self, w: QWeight, h):
         """h (S, cols) @ W.T on the device, by the mat-vec kernel: a row's sums do not depend
         on the rows beside it, so a token gets the same bits alone, in a prompt or in a batch."""
-        d = self.model.device_weights[w.name]
+        return self._matvec(self.model.device_weights[w.name], h)
+
+    def _matvec(self, d: DeviceWeight, h):
         out = self.xp.empty((h.shape[0], d.rows), np.float32)
         return K.matvec(d.kind, d.scales, d.quants, self.xp.ascontiguousarray(h), out, d.rows, d.cols,
                         stream=self.stream)
+
+    def _fused(self, first: QWeight, h):
+        """One token's products with the weights of `first`'s fused group (`upload_all`) by one
+        mat-vec over all their rows (the same sums as each alone, one launch instead of two or
+        three), split into each weight's contiguous (1, rows); None for several tokens (whose
+        splits would be strided) or where the group is not fused (or NPLLAMA_CUDA_FUSE=0)."""
+        group = self.model.fused.get(first.name) if self.model.fuse and h.shape[0] == 1 else None
+        if group is None:
+            return None
+        d, rows = group
+        out = self._matvec(d, h)[0]
+        edges = np.cumsum([0, *rows])
+        return [out[a:b].reshape(1, -1) for a, b in zip(edges[:-1], edges[1:])]
+
+    def qkv(self, L, h):
+        return self._fused(L.wq, h) or super().qkv(L, h)
 
     def norm(self, x, w):
         xp = self.xp
@@ -243,7 +290,7 @@ class DeviceOps(block.Ops):
                          stream=self.stream).reshape(shape)
 
     def glu(self, gate, up, h):
-        g, u = self.product(gate, h), self.product(up, h)
+        g, u = self._fused(gate, h) or (self.product(gate, h), self.product(up, h))
         return K.glu(g, u, self.xp.empty_like(g), _ACTS[self.cfg.act], stream=self.stream)
 
     def add(self, x, b):
@@ -342,8 +389,9 @@ class CudaModel(Model):
             self.stream = _Stream(xp.cuda.Stream(non_blocking=True))
             self.launch_stream = cuda.external_stream(self.stream.cupy.ptr)
             self.graphs = os.environ.get("NPLLAMA_CUDA_GRAPHS", "1") != "0"
+        self.fuse = os.environ.get("NPLLAMA_CUDA_FUSE", "1") != "0"
         with self.stream:
-            self.device_weights = {w.name: upload(w, xp) for w in self.product_weights()}
+            self.device_weights, self.fused = upload_all(self, xp)
         self.stream.synchronize()
         self._vectors: dict[tuple, tuple] = {}
         self._zeros: dict[np.dtype, list] = {}
