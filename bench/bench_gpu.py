@@ -1,7 +1,7 @@
 """The CUDA backend on a real GPU: prefill and decode tokens/s, with the decode steps replayed
-as a CUDA graph (with and without the fused q/k/v and gate/up mat-vecs) and run eagerly, against HF transformers (CUDA, float32) on the same GGUF; a
-batch of 64 prompts against the CPU engine's throughput (gpu_prep.py's); the cost of one
-kernel launch. Never a pass/fail test; bench/gpu_check.sh runs it where a GPU is lent.
+as a CUDA graph (with and without the fused q/k/v and gate/up mat-vecs) and run eagerly,
+against HF transformers (CUDA, float32) on the same GGUF; a batch of 64 prompts against the
+CPU engine's throughput (gpu_prep.py's); the cost of one kernel launch. Never a pass/fail test; bench/gpu_check.sh runs it where a GPU is lent.
 
     python bench/bench_gpu.py [--model PATH ...] [--prompt 128] [--gen 64] [--cpu]
 

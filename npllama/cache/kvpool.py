@@ -134,7 +134,8 @@ class KVPool:
         check_fits(math.prod(shape) * self.dtype.itemsize,
                    f"a {self.dtype} KV pool of {self.n_pages} pages x {self.page_size} positions ({self.n_layers} "
                    f"layers x {self.n_kv_heads} KV heads x {self.head_dim})",
-                   "use fewer pages (fewer or shorter sequences)" + (", or float16" if self.dtype == np.float32 else ""))
+                   "use fewer pages (fewer or shorter sequences)"
+                   + (", or float16" if self.dtype == np.float32 else ""))
         return zeros(shape, self.dtype)
 
     @classmethod

@@ -142,8 +142,9 @@ def _matvec_kernel(kind, scales, quants, x, out, rows, cols):
     """out[s] = W x[s] for the rows s of x (S, cols): a block takes ROWS_PER_BLOCK rows of W
     and _X_ROWS rows of x (blockIdx.y), one after the other; LANES threads a row of W, each
     taking whole quant blocks of it (F32 rows: single elements), so that a lane's loads do not
-    wait on each other; then a reduction across them, of all the block's rows of x at once. Each (s, row) dot is summed in the same
-    order whatever S, so a token's products do not depend on the tokens beside it. (Taking one
+    wait on each other; then one reduction across them for all the block's rows of x. Each
+    (s, row) dot is summed in the same order whatever S, so a token's products do not depend
+    on the tokens beside it. (Taking one
     element a lane at a time, as before, took 1.2-4.2x the GPU time on SmolLM2's and Gemma 3's
     layer products and 0.75x on their heads, and decode steps 1.11-1.14x the time, on an H200:
     bench/bench_gpu.py, README.)"""

@@ -397,6 +397,12 @@ class CudaModel(Model):
         self._zeros: dict[np.dtype, list] = {}
         self._local = threading.local()  # forward(device_arrays=True) of this thread
 
+    def _shared_pool(self):
+        """Allocations from CuPy's shared pool, even inside a decode graph's first step or a
+        batched step's, whose allocations are the graph's (a no-op in the simulator)."""
+        xp = self.xp
+        return contextlib.nullcontext() if xp is np else xp.cuda.using_allocator(xp.get_default_memory_pool().malloc)
+
     def device_vector(self, a: np.ndarray):
         """A host array (a norm's weights, a RoPE table or a view of one) on the device, uploaded
         once: keyed by its memory, which the entry keeps alive."""
@@ -404,9 +410,7 @@ class CudaModel(Model):
         got = self._vectors.get(key)
         if got is None:
             xp = self.xp
-            # from the shared pool even inside a decode graph's first step, whose pool is the graph's
-            shared = contextlib.nullcontext() if xp is np else xp.cuda.using_allocator(xp.get_default_memory_pool().malloc)
-            with shared:
+            with self._shared_pool():
                 got = self._vectors[key] = (a, xp.asarray(np.ascontiguousarray(a, dtype=np.float32)))
         return got[1]
 
@@ -419,8 +423,7 @@ class CudaModel(Model):
         kept = self._zeros.setdefault(dtype, [])
         if not kept or len(kept[-1]) < n:
             xp = self.xp
-            shared = contextlib.nullcontext() if xp is np else xp.cuda.using_allocator(xp.get_default_memory_pool().malloc)
-            with shared:
+            with self._shared_pool():
                 kept.append(xp.zeros(max(n, 2 * len(kept[-1]) if kept else n), dtype))
         return kept[-1][:n]
 
@@ -613,7 +616,9 @@ class _BatchStep:
             self.tables, self.seq_of = xp.empty((B, width), np.int32), xp.arange(B, dtype=np.int64)
 
     def allocator(self):
-        return contextlib.nullcontext() if self.memory is None else self.model.xp.cuda.using_allocator(self.memory.malloc)
+        if self.memory is None:
+            return contextlib.nullcontext()
+        return self.model.xp.cuda.using_allocator(self.memory.malloc)
 
     def run(self, pool: DeviceKVPool, end: int):
         """The pass's kernels on the inputs in the buffers: the logits (B, n_vocab)."""
