@@ -19,7 +19,7 @@ from npllama.backends.cuda import kernels as K  # noqa: E402
 
 f32_1, f32_2, f32_3 = float32[::1], float32[:, ::1], float32[:, :, ::1]
 SIGNATURES = {
-    "_matvec_kernel": [(int64, f32_3, q[:, :, ::1], f32_2, f32_2, int64, int64) for q in (int8, uint8)],
+    "_matvec_kernel": [(int64, f32_3, q[:, :, ::1], f32_2, f32_1, int64, int64, int64, int64) for q in (int8, uint8)],
     "_dequantize_kernel": [(int64, f32_3, q[:, :, ::1], f32_2, int64, int64) for q in (int8, uint8)],
     "_rmsnorm_kernel": [(f32_2, f32_1, float32, f32_2, int64)],
     "_rope_kernel": [(f32_3, int64[::1], f32_2, f32_2, boolean, int64)],

@@ -54,6 +54,24 @@ def test_matvec_and_dequantize(qtype, rows, cols):
     np.testing.assert_array_equal(full, ref.astype(np.float32))
 
 
+@pytest.mark.parametrize("qtype,groups", [(QT.Q4_1, (3, 5)), (QT.Q6_K, (4,))])
+def test_matvec_of_a_fused_group(qtype, groups):
+    """A fused group's weights in one mat-vec (`groups`: their row boundaries): each weight's
+    products come out as one contiguous (S, its rows), bit for bit those of the weight alone,
+    for one row of x and for nine (two blocks of rows of x)."""
+    rows, cols = 7, 256
+    w, _ = weight(qtype, rows, cols)
+    d = upload(w, np)
+    edges = [0, *groups, rows]
+    for S in (1, 9):
+        x = RNG.standard_normal((S, cols)).astype(np.float32)
+        out = K.matvec(d.kind, d.scales, d.quants, x, np.empty(S * rows, np.float32), rows, cols, groups=groups)
+        for a, b in zip(edges[:-1], edges[1:]):
+            alone = K.matvec(d.kind, np.ascontiguousarray(d.scales[a:b]), np.ascontiguousarray(d.quants[a:b]), x,
+                             np.empty((S, b - a), np.float32), b - a, cols)
+            np.testing.assert_array_equal(out[S * a:S * b].reshape(S, b - a), alone)
+
+
 @pytest.mark.parametrize("S,n", [(1, 1), (3, 37), (2, 64)])
 def test_rmsnorm(S, n):
     x = RNG.standard_normal((S, 2 * n)).astype(np.float32)[:, ::2]

@@ -68,8 +68,7 @@ def test_architecture_fixture_matches_cpu(arch):
 def test_batched_pass_equals_sessions(models):
     """`forward_batch` on the device, over a pool in device memory: each sequence gets a device
     session's logits bit for bit, for prompts of different lengths in one pass (pages of 3,
-    so a prompt spans two), a decode step of both (the fixed-shape step a GPU captures; the
-    sessions' steps fuse their products, `upload_all`), and a
+    so a prompt spans two), a decode step of both (the fixed-shape step a GPU captures), and a
     fork that shares its pages and then writes into a shared one (copy on write) beside its
     source."""
     _, gpu = models
@@ -79,9 +78,7 @@ def test_batched_pass_equals_sessions(models):
     seqs, sessions = [pool.new_seq() for _ in prompts], [gpu.session() for _ in prompts]
     for got, s, p in zip(forward_batch(gpu, pool, seqs, prompts, all_logits=True), sessions, prompts):
         np.testing.assert_array_equal(got, s.feed(p, all_logits=True))
-    # a session's decode step takes each layer's q/k/v, and its gate/up, in one mat-vec; the
-    # batched step (two tokens) one weight at a time: the same sums
-    assert len(gpu.fused) == 2 * gpu.config.n_layer
+    assert len(gpu.fused) == 2 * gpu.config.n_layer  # q/k/v and gate/up: one mat-vec each
     for got, s, t in zip(forward_batch(gpu, pool, seqs, [[3], [4]]), sessions, [3, 4]):
         np.testing.assert_array_equal(got, s.feed([t]))
     assert len(pool.steps) == 1

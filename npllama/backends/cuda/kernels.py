@@ -138,16 +138,18 @@ def _block_dot(kind, scales, quants, row, blk, x):
 
 
 @cuda.jit
-def _matvec_kernel(kind, scales, quants, x, out, rows, cols):
-    """out[s] = W x[s] for the rows s of x (S, cols): a block takes ROWS_PER_BLOCK rows of W
+def _matvec_kernel(kind, scales, quants, x, out, rows, cols, e1, e2):
+    """out = W x[s] for the rows s of x (S, cols): a block takes ROWS_PER_BLOCK rows of W
     and _X_ROWS rows of x (blockIdx.y), one after the other; LANES threads a row of W, each
     taking whole quant blocks of it (F32 rows: single elements), so that a lane's loads do not
     wait on each other; then one reduction across them for all the block's rows of x. Each
     (s, row) dot is summed in the same order whatever S, so a token's products do not depend
-    on the tokens beside it. (Taking one
-    element a lane at a time, as before, took 1.2-4.2x the GPU time on SmolLM2's and Gemma 3's
-    layer products and 0.75x on their heads, and decode steps 1.11-1.14x the time, on an H200:
-    bench/bench_gpu.py, README.)"""
+    on the tokens beside it. The rows of W fall in the groups [0, e1), [e1, e2) and [e2, rows)
+    (a fused group's weights, `model.upload_all`; e1 = e2 = rows for one weight), and the flat
+    out holds each group's products (S, its rows) in turn, so that each weight's are one
+    C-contiguous array. (Taking one element a lane at a time, as before, took 1.2-4.2x the GPU
+    time on SmolLM2's and Gemma 3's layer products and 0.75x on their heads, and decode steps
+    1.11-1.14x the time, on an H200: bench/bench_gpu.py, README.)"""
     scratch = cuda.shared.array((_MATVEC_THREADS, _X_ROWS), float32)
     acc = cuda.local.array(_X_ROWS, float32)
     lane = cuda.threadIdx.x % LANES
@@ -168,8 +170,10 @@ def _matvec_kernel(kind, scales, quants, x, out, rows, cols):
         acc[i] = a
     _lane_sums(acc, n, scratch, lane, local * LANES)
     if row < rows and lane == 0:
+        g0, g1 = (0, e1) if row < e1 else ((e1, e2) if row < e2 else (e2, rows))
+        base = x.shape[0] * g0 + row - g0
         for i in range(n):
-            out[s0 + i, row] = acc[i]
+            out[base + (s0 + i) * (g1 - g0)] = acc[i]
 
 
 @cuda.jit
@@ -337,13 +341,20 @@ def _out(name: str, a):
     return a if SIMULATED else cuda.as_cuda_array(a, sync=False)
 
 
-def matvec(kind: int, scales, quants, x, out, rows: int, cols: int, stream=0):
+def matvec(kind: int, scales, quants, x, out, rows: int, cols: int, groups=(), stream=0):
     """out[s, r] = sum_c W[r, c] x[s, c] for a weight of `kind` laid out as (scales, quants) and
-    activation rows x (S, cols) into out (S, rows); each row's sums the same whatever S."""
-    if x.ndim != 2 or x.shape[1] != cols or out.shape != (x.shape[0], rows):
-        raise ValueError(f"matvec: x {x.shape} and out {out.shape} do not fit a ({rows}, {cols}) weight")
-    _matvec_kernel[(_blocks(rows, ROWS_PER_BLOCK), _blocks(x.shape[0], _X_ROWS)), _MATVEC_THREADS, stream](
-        kind, _c(scales), _c(quants), _c(x), _out("matvec: out", out), rows, cols)
+    activation rows x (S, cols) into out (S, rows); each row's sums the same whatever S. With
+    `groups`, one or two row boundaries inside W (a fused group's weights), out holds each
+    group's products (S, its rows) one after the other: slice it flat at S times each boundary."""
+    S = x.shape[0]
+    bounds = sorted(int(g) for g in groups)
+    if (x.ndim != 2 or x.shape[1] != cols or out.size != S * rows or len(bounds) > 2
+            or any(not 0 < g < rows for g in bounds)):
+        raise ValueError(f"matvec: x {x.shape}, out {out.shape} and groups {tuple(groups)} do not fit a ({rows}, "
+                         f"{cols}) weight")
+    e1, e2 = (bounds + [rows, rows])[:2]
+    _matvec_kernel[(_blocks(rows, ROWS_PER_BLOCK), _blocks(S, _X_ROWS)), _MATVEC_THREADS, stream](
+        kind, _c(scales), _c(quants), _c(x), _out("matvec: out", out).reshape(-1), rows, cols, e1, e2)
     return out
 
 

@@ -259,25 +259,24 @@ class DeviceOps(block.Ops):
     def product(self, w: QWeight, h):
         """h (S, cols) @ W.T on the device, by the mat-vec kernel: a row's sums do not depend
         on the rows beside it, so a token gets the same bits alone, in a prompt or in a batch."""
-        return self._matvec(self.model.device_weights[w.name], h)
-
-    def _matvec(self, d: DeviceWeight, h):
+        d = self.model.device_weights[w.name]
         out = self.xp.empty((h.shape[0], d.rows), np.float32)
         return K.matvec(d.kind, d.scales, d.quants, self.xp.ascontiguousarray(h), out, d.rows, d.cols,
                         stream=self.stream)
 
     def _fused(self, first: QWeight, h):
-        """One token's products with the weights of `first`'s fused group (`upload_all`) by one
-        mat-vec over all their rows (the same sums as each alone, one launch instead of two or
-        three), split into each weight's contiguous (1, rows); None for several tokens (whose
-        splits would be strided) or where the group is not fused (or NPLLAMA_CUDA_FUSE=0)."""
-        group = self.model.fused.get(first.name) if self.model.fuse and h.shape[0] == 1 else None
+        """The products with the weights of `first`'s fused group (`upload_all`) by one mat-vec
+        over all their rows (the same sums as each alone, one launch instead of two or three),
+        each weight's a C-contiguous (S, rows); None where the group is not fused (or
+        NPLLAMA_CUDA_FUSE=0)."""
+        group = self.model.fused.get(first.name) if self.model.fuse else None
         if group is None:
             return None
         d, rows = group
-        out = self._matvec(d, h)[0]
-        edges = np.cumsum([0, *rows])
-        return [out[a:b].reshape(1, -1) for a, b in zip(edges[:-1], edges[1:])]
+        S, edges = h.shape[0], np.cumsum([0, *rows])
+        out = K.matvec(d.kind, d.scales, d.quants, self.xp.ascontiguousarray(h), self.xp.empty(S * d.rows, np.float32),
+                       d.rows, d.cols, groups=edges[1:-1], stream=self.stream)
+        return [out[S * a:S * b].reshape(S, b - a) for a, b in zip(edges[:-1], edges[1:])]
 
     def qkv(self, L, h):
         return self._fused(L.wq, h) or super().qkv(L, h)
