@@ -65,12 +65,15 @@ def test_architecture_fixture_matches_cpu(arch):
     close(s1.feed([4]), s2.feed([4]))
 
 
-def test_batched_pass_equals_sessions(models):
+def test_batched_pass_equals_sessions(models, monkeypatch):
     """`forward_batch` on the device, over a pool in device memory: each sequence gets a device
     session's logits bit for bit, for prompts of different lengths in one pass (pages of 3,
-    so a prompt spans two), a decode step of both (the fixed-shape step a GPU captures), and a
-    fork that shares its pages and then writes into a shared one (copy on write) beside its
-    source."""
+    so a prompt spans two; chunks of 3 tokens, so the second chunk holds both sequences and
+    attends to keys the first wrote), a decode step of both (the fixed-shape step a GPU
+    captures), and a fork that shares its pages and then writes into a shared one (copy on
+    write) beside its source."""
+    from npllama.backends.cuda import model as device_model
+    monkeypatch.setattr(device_model, "CHUNK_TOKENS", 3)
     _, gpu = models
     pool = npllama.KVPool.for_model(gpu, tokens=32, page_size=3)
     assert isinstance(pool, DeviceKVPool) and isinstance(pool.buffer(0), gpu.xp.ndarray)
