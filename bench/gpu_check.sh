@@ -3,8 +3,10 @@
 # random models of SmolLM2-135M's and Gemma 3 270M's shapes written from their specs, the
 # `gpu`-marked tests (those models against the CPU engine's logits, graph against eager steps,
 # the kernels against gguf and NumPy) with the warp-shuffle reductions and again the kernels
-# with the shared-memory ones, then bench/bench_gpu.py on both models (tokens/s with graphs and
-# eager, against HF transformers on the same GPU; one kernel launch's cost).
+# with the shared-memory ones, then bench/bench_gpu.py on both models (tokens/s with graphs, with
+# and without the fused products, and eager, against HF transformers on the same GPU; a batch
+# of 64 prompts against the CPU engine's throughput that gpu_prep.py measured; one kernel
+# launch's cost).
 #
 # The GPU machines lent here have CuPy, numba-cuda, torch and transformers but no network, no
 # `gguf`, and take at most 64 MiB along. First, here: `python bench/gpu_prep.py`, which writes
