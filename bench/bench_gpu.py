@@ -161,8 +161,10 @@ def batch(model, path: str) -> None:
         best = max(best, sum(len(c.tokens) for c in done) / (time.perf_counter() - t0))
     line = f"batch of {BATCH} prompts ({len(prompts[0])} tokens, {BATCH_GEN} generated): {best:.1f} tok/s generated"
     ref = Path(path).with_suffix(".npz")
-    if ref.exists():
-        ref = np.load(ref)
+    ref = np.load(ref) if ref.exists() else {}
+    if "cpu_batch_tok_s" not in ref:
+        line += " (no CPU reference: run bench/gpu_prep.py where the CPU engine runs, and carry .gpu-carry)"
+    else:
         same = sum(list(ref["cpu_batch_tokens"][i][:len(c.tokens)]) == [t.id for t in c.tokens]
                    for i, c in enumerate(done))
         line += (f"; the CPU engine where gpu_prep.py ran: {float(ref['cpu_batch_tok_s']):.1f} tok/s, so "
