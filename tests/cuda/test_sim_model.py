@@ -1,6 +1,7 @@
 """A whole tiny model on the CUDA backend in Numba's simulator against the CPU engine: logits
 equal to float32 rounding for a prompt and decode steps, with fork, truncate and reset, and
-the text API on top (NUMBA_ENABLE_CUDASIM=1; see test_sim_kernels.py)."""
+the text API on top; its batched pass over a device pool against its own sessions, bit for bit
+(NUMBA_ENABLE_CUDASIM=1; see test_sim_kernels.py)."""
 from pathlib import Path
 
 import numpy as np
