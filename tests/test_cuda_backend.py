@@ -134,3 +134,34 @@ def test_the_models_stream_is_entered_by_one_thread_at_a_time():
             raise KeyError("x")
     assert stream._lock.acquire(blocking=False)  # released after an error inside
     stream._lock.release()
+
+
+def test_a_batched_step_that_fails_to_capture_keeps_no_graph():
+    """A batched decode step whose capture fails ends the capture and keeps no graph (the pass
+    then runs eagerly, CudaModel._batch_step), where a later pass would have launched a broken
+    one; a capture that works keeps the graph and its output buffer."""
+    from npllama.backends.cuda.model import _BatchStep
+    log = []
+
+    class Stream:  # a CuPy stream's capture calls
+        def begin_capture(self, mode):
+            log.append("begin")
+
+        def end_capture(self):
+            log.append("end")
+            return "graph"
+
+    def fails(pool, end):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    st = _BatchStep.__new__(_BatchStep)  # no device buffers: only the capture is exercised
+    st.model = types.SimpleNamespace(stream=types.SimpleNamespace(cupy=Stream()),
+                                     xp=types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=None)))
+    st.graph = st.out = None
+    st.run = fails
+    with pytest.raises(RuntimeError, match="capturing"):
+        st.capture(None, 1)
+    assert st.graph is None and log == ["begin", "end"]
+    st.run = lambda pool, end: "logits"
+    st.capture(None, 1)
+    assert (st.graph, st.out, log) == ("graph", "logits", ["begin", "end"] * 2)

@@ -627,12 +627,15 @@ class _BatchStep:
         return block.softcap(ops.product(m.output, ops.norm(x, m.output_norm)), m.config.softcap)
 
     def capture(self, pool: DeviceKVPool, end: int) -> None:
+        """The pass captured as the step's graph (not launched); no graph where it fails."""
         stream = self.model.stream.cupy
         stream.begin_capture(getattr(self.model.xp.cuda.runtime, "streamCaptureModeRelaxed", None))
         try:
-            self.out = self.run(pool, end)
-        finally:
-            self.graph = stream.end_capture()
+            out = self.run(pool, end)
+        except BaseException:
+            stream.end_capture()
+            raise
+        self.graph, self.out = stream.end_capture(), out
 
 
 def _pow2(n: int) -> int:
