@@ -73,11 +73,12 @@ def test_parallel_workers_compile_once(q8_model):
     panels.matmul_panels(panels.pack_panels(wq.data, wq.qtype), wq.qtype, wq.rows,
                          np.ones((2, q8_model.config.n_embd), np.float32))
     workers = ((decode._worker, 1), (packed._worker, 0), (panels._panel_rows, 2), (panels._store, 2))
-    if not any(w.signatures for w, _ in workers):
-        pytest.skip("their callers were loaded from Numba's cache, so no worker compiled in this process; "
-                    "a cold cache (CI's) compiles them")
-    for worker, index in workers:
-        assert worker.signatures, worker
+    # a worker compiles only with its caller: where the caller came from Numba's cache, it has
+    # no signature in this process (a cold cache, CI's, compiles them all)
+    compiled = [(w, index) for w, index in workers if w.signatures]
+    if not compiled:
+        pytest.skip("their callers were loaded from Numba's cache, so no worker compiled in this process")
+    for worker, index in compiled:
         for sig in worker.signatures:
             assert sig[index] == types.int64, (worker, sig[index])
 

@@ -22,7 +22,7 @@ SIGNATURES = {
     "_matvec_kernel": [(int64, f32_3, q[:, :, ::1], f32_2, f32_1, int64, int64, int64, int64) for q in (int8, uint8)],
     "_dequantize_kernel": [(int64, f32_3, q[:, :, ::1], f32_2, int64, int64) for q in (int8, uint8)],
     "_rmsnorm_kernel": [(f32_2, f32_1, float32, f32_2, int64)],
-    "_rope_kernel": [(f32_3, int64[::1], f32_2, f32_2, boolean, int64)],
+    "_rope_kernel": [(f32_3, f32_3, int64[::1], f32_2, f32_2, boolean, int64)],
     "_glu_kernel": [(f32_1, f32_1, f32_1, int64, int64)],
     "_store_kv_kernel": [(kv[:, :, :, ::1], f32_3, f32_3, int64[::1]) for kv in (float32, float16)],
     "_attention_split_kernel": [(f32_3, kv[:, :, :, :, ::1], int32[:, ::1], int64[::1], int64[::1], int64, float32,

@@ -46,8 +46,10 @@ class Ops:
         g = self.product(gate, h)
         return glu(g, self.product(up, h), self.cfg.act, out=g)
 
-    def rope(self, x, positions, cos, sin):
-        _rope(x, positions, cos, sin, self.cfg.rope_neox)
+    def rope(self, q, k, positions, cos, sin):
+        """q (S, H, D) and k (S, KVH, D) rotated in place by the tables' rows at `positions`."""
+        for x in (q, k):
+            _rope(x, positions, cos, sin, self.cfg.rope_neox)
 
     def add(self, x, b):
         """x += b in place (a bias, broadcast over rows)."""
@@ -80,8 +82,7 @@ def run_layers(model, x: np.ndarray, positions: np.ndarray, ops: Ops, end: int) 
             q, k = ops.norm(q, L.q_norm), ops.norm(k, L.k_norm)
         table = cfg.layer_rope[li]
         if table >= 0:
-            ops.rope(q, positions, cos[table], sin[table])
-            ops.rope(k, positions, cos[table], sin[table])
+            ops.rope(q, k, positions, cos[table], sin[table])
         a = ops.attention(li, q, k, v, cfg.layer_window[li])
         o = ops.product(L.wo, a.reshape(S, H * D))
         x += ops.norm(o, L.post_attn_norm) if cfg.post_norms else o

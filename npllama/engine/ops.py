@@ -89,5 +89,6 @@ class PanelOps(block.Ops):
             _gate_up_panels(int(gate.qtype), pg, int(up.qtype), pu, activation_rows(h, self.int8), out, self.act)
         return out
 
-    def rope(self, x, positions, cos, sin):
-        _rope_rows(x, positions, cos, sin, self.cfg.rope_neox)
+    def rope(self, q, k, positions, cos, sin):
+        for x in (q, k):
+            _rope_rows(x, positions, cos, sin, self.cfg.rope_neox)

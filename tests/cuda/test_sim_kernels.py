@@ -83,19 +83,22 @@ def test_rmsnorm(S, n):
 
 
 @pytest.mark.parametrize("neox", [False, True])
-@pytest.mark.parametrize("S,H,D", [(1, 1, 2), (3, 2, 8)])
-def test_rope(neox, S, H, D):
+@pytest.mark.parametrize("S,H,KVH,D", [(1, 1, 1, 2), (3, 3, 2, 8)])
+def test_rope(neox, S, H, KVH, D):
+    """q and k (their own head counts) rotated in one launch, each as NumPy rotates it."""
     half = D // 2
     angles = np.arange(16)[:, None] * 0.3 / (1 + np.arange(half))[None, :]
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-    x = RNG.standard_normal((S, H, D)).astype(np.float32)
+    q = RNG.standard_normal((S, H, D)).astype(np.float32)
+    k = RNG.standard_normal((S, KVH, D)).astype(np.float32)
     positions = np.array([5, 9, 15][:S], np.int64)
-    out = K.rope(x.copy(), positions, cos, sin, neox)
-    a, b = (x[..., :half], x[..., half:]) if neox else (x[..., 0::2], x[..., 1::2])
+    got = K.rope(q.copy(), k.copy(), positions, cos, sin, neox)
     c, s = cos[positions][:, None, :], sin[positions][:, None, :]
-    ra, rb = a * c - b * s, a * s + b * c
-    ref = np.concatenate([ra, rb], -1) if neox else np.stack([ra, rb], -1).reshape(S, H, D)
-    np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
+    for out, x in zip(got, (q, k)):
+        a, b = (x[..., :half], x[..., half:]) if neox else (x[..., 0::2], x[..., 1::2])
+        ra, rb = a * c - b * s, a * s + b * c
+        ref = np.concatenate([ra, rb], -1) if neox else np.stack([ra, rb], -1).reshape(x.shape)
+        np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("act", [K.ACT_SILU, K.ACT_GELU_TANH])

@@ -201,24 +201,31 @@ def _rmsnorm_kernel(x, w, eps, out, n):
         out[row, i] = (x[row, i] * r) * w[i]
 
 
+@cuda.jit(device=True, inline=True)
+def _rotate(x, s, h, k, p, cos, sin, neox, half):
+    """Pair k of head h of token s of x, at position p, rotated in place."""
+    c = cos[p, k]
+    sn = sin[p, k]
+    a_i = k if neox else 2 * k
+    b_i = k + half if neox else 2 * k + 1
+    a = x[s, h, a_i]
+    b = x[s, h, b_i]
+    x[s, h, a_i] = a * c - b * sn
+    x[s, h, b_i] = a * sn + b * c
+
+
 @cuda.jit
-def _rope_kernel(x, positions, cos, sin, neox, half):
-    # x: (S, H, D) rotated in place; one thread per (token, head, pair)
+def _rope_kernel(q, k, positions, cos, sin, neox, half):
+    # q (S, H, D) and k (S, KVH, D) rotated in place; one thread per (token, head of q or k, pair)
     i = cuda.grid(1)
-    S, H = x.shape[0], x.shape[1]
-    if i < S * H * half:
-        s = i // (H * half)
-        h = (i // half) % H
-        k = i % half
-        p = positions[s]
-        c = cos[p, k]
-        sn = sin[p, k]
-        a_i = k if neox else 2 * k
-        b_i = k + half if neox else 2 * k + 1
-        a = x[s, h, a_i]
-        b = x[s, h, b_i]
-        x[s, h, a_i] = a * c - b * sn
-        x[s, h, b_i] = a * sn + b * c
+    S, H, KVH = q.shape[0], q.shape[1], k.shape[1]
+    if i < S * (H + KVH) * half:
+        s = i // ((H + KVH) * half)
+        h = (i // half) % (H + KVH)
+        if h < H:
+            _rotate(q, s, h, i % half, positions[s], cos, sin, neox, half)
+        else:
+            _rotate(k, s, h - H, i % half, positions[s], cos, sin, neox, half)
 
 
 @cuda.jit
@@ -375,15 +382,16 @@ def rmsnorm(x, w, eps: float, out, stream=0):
     return out
 
 
-def rope(x, positions, cos, sin, neox: bool, stream=0):
-    """x (S, H, D) rotated in place by the tables' rows at `positions` (S,), a device array."""
-    S, H, _ = x.shape
+def rope(q, k, positions, cos, sin, neox: bool, stream=0):
+    """q (S, H, D) and k (S, KVH, D) rotated in place, in one launch, by the tables' rows at
+    `positions` (S,), a device array."""
+    S, H, _ = q.shape
     half = cos.shape[1]
-    if positions.shape != (S,):
-        raise ValueError(f"rope: {positions.shape[0]} positions for {S} tokens")
-    _rope_kernel[_blocks(S * H * half, 128), 128, stream](_out("rope: x", x), _c(positions), _c(cos), _c(sin),
-                                                          bool(neox), half)
-    return x
+    if positions.shape != (S,) or k.shape[0] != S or k.shape[2] != q.shape[2]:
+        raise ValueError(f"rope: q {q.shape}, k {k.shape} and positions {positions.shape} do not fit")
+    _rope_kernel[_blocks(S * (H + k.shape[1]) * half, 128), 128, stream](
+        _out("rope: q", q), _out("rope: k", k), _c(positions), _c(cos), _c(sin), bool(neox), half)
+    return q, k
 
 
 def glu(gate, up, out, act: int, stream=0):

@@ -295,9 +295,9 @@ class DeviceOps(block.Ops):
     def add(self, x, b):
         x += self.model.device_vector(b)
 
-    def rope(self, x, positions, cos, sin):
-        K.rope(x, self.positions, self.model.device_vector(cos), self.model.device_vector(sin), self.cfg.rope_neox,
-               stream=self.stream)
+    def rope(self, q, k, positions, cos, sin):
+        K.rope(q, k, self.positions, self.model.device_vector(cos), self.model.device_vector(sin),
+               self.cfg.rope_neox, stream=self.stream)
 
     def attention(self, li, q, k, v, window):
         xp = self.xp
