@@ -123,6 +123,7 @@ class KVPool:
         self._bufs = tuple(self._all)  # each layer's view
         # flat views (n_pages * page_size, KVH, 2, D) of the same memory, for slot scatters
         self._flat = tuple(b.reshape(-1, self.n_kv_heads, 2, self.head_dim) for b in self._bufs)
+        assert self.device != "cpu" or all(np.shares_memory(f, b) for f, b in zip(self._flat, self._bufs))
         self._refs = np.zeros(self.n_pages, np.int32)
         self._free = list(range(self.n_pages - 1, -1, -1))  # a stack: pop() gives low ids first
         self._ids = itertools.count()

@@ -148,6 +148,8 @@ def upload_all(model, xp) -> tuple[dict, dict]:
             if first.kind == K.F32 or any((h.kind, h.cols, h.scales.shape[1:], h.quants.shape[1:], h.quants.dtype)
                                           != (first.kind, first.cols, first.scales.shape[1:],
                                               first.quants.shape[1:], first.quants.dtype) for h in host):
+                for w, h in zip(group, host):  # each on its own, from the layouts made above
+                    weights[w.name] = DeviceWeight(h.kind, xp.asarray(h.scales), xp.asarray(h.quants), h.rows, h.cols)
                 continue
             scales = xp.asarray(np.concatenate([h.scales for h in host]))
             quants = xp.asarray(np.concatenate([h.quants for h in host]))
