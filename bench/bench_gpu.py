@@ -1,5 +1,5 @@
 """The CUDA backend on a real GPU: prefill and decode tokens/s, with the decode steps replayed
-as a CUDA graph (with and without the fused q/k/v and gate/up mat-vecs) and run eagerly,
+as a CUDA graph (with and without the fused q/k/v and gate/up-with-GLU mat-vecs) and run eagerly,
 against HF transformers (CUDA, float32) on the same GGUF; a batch of 64 prompts against the
 CPU engine's throughput (gpu_prep.py's); the cost of one kernel launch. Never a pass/fail test; bench/gpu_check.sh runs it where a GPU is lent.
 
@@ -195,7 +195,8 @@ def bench_model(path: str, args) -> None:
     for name, (p, d) in rows.items():
         print(f"{name:30s} prefill {p:9.1f} tok/s   decode {d:7.1f} tok/s", flush=True)
     (p, d), (_, de) = rows["npllama cuda (graphs)"], rows["npllama cuda (eager)"]
-    print(f"graphs / eager decode: {d / de:.2f}x; one mat-vec for q/k/v and for gate/up against one a weight: "
+    print(f"graphs / eager decode: {d / de:.2f}x; one mat-vec for q/k/v and one for gate/up with the GLU, "
+          f"against one a weight and the GLU's own kernel: "
           f"{d / rows['npllama cuda (graphs, unfused)'][1]:.2f}x")
     if "HF transformers cuda" in rows:
         hp, hd = rows["HF transformers cuda"]

@@ -19,10 +19,14 @@ from npllama.backends.cuda import kernels as K  # noqa: E402
 
 f32_1, f32_2, f32_3 = float32[::1], float32[:, ::1], float32[:, :, ::1]
 SIGNATURES = {
-    "_matvec_kernel": [(int64, f32_3, q[:, :, ::1], f32_2, f32_1, int64, int64, int64, int64) for q in (int8, uint8)],
+    "_matvec_kernel": [(int64, f32_3, q[:, :, ::1], f32_2, f32_1, int64, int64, int64, int64, int64, boolean)
+                       for q in (int8, uint8)],
     "_dequantize_kernel": [(int64, f32_3, q[:, :, ::1], f32_2, int64, int64) for q in (int8, uint8)],
     "_rmsnorm_kernel": [(f32_2, f32_1, float32, f32_2, int64)],
-    "_rope_kernel": [(f32_3, f32_3, int64[::1], f32_2, f32_2, boolean, int64)],
+    "_head_norms_kernel": [(f32_2, f32_2, f32_1, f32_1, float32, f32_2, f32_2, int64)],
+    "_add_rmsnorm_kernel": [(f32_2, f32_2, f32_1, float32, int64)],
+    "_rope_store_kernel": [(f32_3, f32_3, f32_3, kv[:, :, :, ::1], int64[::1], int64[::1], f32_2, f32_2, boolean,
+                            int64) for kv in (float32, float16)],
     "_glu_kernel": [(f32_1, f32_1, f32_1, int64, int64)],
     "_store_kv_kernel": [(kv[:, :, :, ::1], f32_3, f32_3, int64[::1]) for kv in (float32, float16)],
     "_attention_split_kernel": [(f32_3, kv[:, :, :, :, ::1], int32[:, ::1], int64[::1], int64[::1], int64, float32,
@@ -44,7 +48,8 @@ def test_kernel_compiles_to_ptx_without_float64(name):
         assert ".target sm_90" in ptx
         body = [line for line in ptx.splitlines() if not line.lstrip().startswith("//")]
         assert not [line for line in body if ".f64" in line], f"{name}{sig}: float64 in the PTX"
-        if name in ("_matvec_kernel", "_rmsnorm_kernel", "_attention_split_kernel"):
+        if name in ("_matvec_kernel", "_rmsnorm_kernel", "_head_norms_kernel", "_add_rmsnorm_kernel",
+                    "_attention_split_kernel"):
             assert "shfl.sync.bfly" in ptx  # a GPU reduces across the warp by shuffles
 
 
@@ -53,7 +58,8 @@ def test_shared_memory_reductions_compile_for_a_gpu():
     the two) compiles too, without shuffles or float64."""
     code = ("import sys\nfrom numba import cuda\nfrom npllama.backends.cuda import kernels as K\n"
             "sys.path.insert(0, 'tests')\nfrom test_cuda_backend import SIGNATURES\nassert not K.SHUFFLES\n"
-            "for name in ('_matvec_kernel', '_rmsnorm_kernel', '_attention_split_kernel'):\n"
+            "for name in ('_matvec_kernel', '_rmsnorm_kernel', '_head_norms_kernel', '_add_rmsnorm_kernel',\n"
+            "             '_attention_split_kernel'):\n"
             "    ptx, _ = cuda.compile_ptx(getattr(K, name).py_func, SIGNATURES[name][0], cc=(9, 0))\n"
             "    assert 'shfl' not in ptx and 'bar.sync' in ptx and '.f64' not in ptx, name\n")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "NPLLAMA_CUDA_SHARED_REDUCTIONS": "1"},

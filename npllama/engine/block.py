@@ -46,10 +46,29 @@ class Ops:
         g = self.product(gate, h)
         return glu(g, self.product(up, h), self.cfg.act, out=g)
 
+    def qk_norm(self, q, k, wq, wk):
+        """q (S, H, D) and k (S, KVH, D), each head normed by wq and wk (the QK norms)."""
+        return self.norm(q, wq), self.norm(k, wk)
+
     def rope(self, q, k, positions, cos, sin):
         """q (S, H, D) and k (S, KVH, D) rotated in place by the tables' rows at `positions`."""
         for x in (q, k):
             _rope(x, positions, cos, sin, self.cfg.rope_neox)
+
+    def rope_attention(self, li, q, k, v, rope, window):
+        """`attention` of layer li after RoPE of q and k by rope = (positions, cos, sin), or
+        none where rope is None (a layer without RoPE)."""
+        if rope is not None:
+            self.rope(q, k, *rope)
+        return self.attention(li, q, k, v, window)
+
+    def residual(self, x, y, w):
+        """x += y normed by w (a post-norm), or x += y where w is None; in place."""
+        x += y if w is None else self.norm(y, w)
+
+    def add_product(self, x, W, h, w):
+        """`residual` of the product h @ W.T."""
+        self.residual(x, self.product(W, h), w)
 
     def add(self, x, b):
         """x += b in place (a bias, broadcast over rows)."""
@@ -79,17 +98,18 @@ def run_layers(model, x: np.ndarray, positions: np.ndarray, ops: Ops, end: int) 
             ops.add(v, L.bv)
         q, k, v = q.reshape(S, H, D), k.reshape(S, KVH, D), v.reshape(S, KVH, D)
         if cfg.qk_norm:
-            q, k = ops.norm(q, L.q_norm), ops.norm(k, L.k_norm)
+            q, k = ops.qk_norm(q, k, L.q_norm, L.k_norm)
         table = cfg.layer_rope[li]
-        if table >= 0:
-            ops.rope(q, k, positions, cos[table], sin[table])
-        a = ops.attention(li, q, k, v, cfg.layer_window[li])
-        o = ops.product(L.wo, a.reshape(S, H * D))
-        x += ops.norm(o, L.post_attn_norm) if cfg.post_norms else o
-        del q, k, v, a, o  # a long prompt's chunk: the FFN's activations are the peak
+        rope = (positions, cos[table], sin[table]) if table >= 0 else None
+        a = ops.rope_attention(li, q, k, v, rope, cfg.layer_window[li])
+        ops.add_product(x, L.wo, a.reshape(S, H * D), L.post_attn_norm if cfg.post_norms else None)
+        del q, k, v, a  # a long prompt's chunk: the FFN's activations are the peak
         h = ops.norm(x, L.ffn_norm)
-        f = moe(cfg, L, h, ops) if cfg.n_expert else ops.product(L.w_down, ops.glu(L.w_gate, L.w_up, h))
-        x += ops.norm(f, L.post_ffn_norm) if cfg.post_norms else f
+        post = L.post_ffn_norm if cfg.post_norms else None
+        if cfg.n_expert:
+            ops.residual(x, moe(cfg, L, h, ops), post)
+        else:
+            ops.add_product(x, L.w_down, ops.glu(L.w_gate, L.w_up, h), post)
     return x
 
 

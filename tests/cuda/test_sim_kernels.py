@@ -72,33 +72,114 @@ def test_matvec_of_a_fused_group(qtype, groups):
             np.testing.assert_array_equal(out[S * a:S * b].reshape(S, b - a), alone)
 
 
+@pytest.mark.parametrize("S", [1, 9])
+def test_matvec_adds_to_out(S):
+    """add=True (a product into the residual stream): out += the products, bit for bit the
+    products stored alone and then added to out's values; one weight only."""
+    w, _ = weight(QT.Q4_1, 5, 64)
+    d = upload(w, np)
+    x = RNG.standard_normal((S, 64)).astype(np.float32)
+    out = RNG.standard_normal((S, 5)).astype(np.float32)
+    want = out + K.matvec(d.kind, d.scales, d.quants, x, np.empty((S, 5), np.float32), 5, 64)
+    assert K.matvec(d.kind, d.scales, d.quants, x, out, 5, 64, add=True) is out
+    np.testing.assert_array_equal(out, want)
+    with pytest.raises(ValueError, match="do not fit"):
+        K.matvec(d.kind, d.scales, d.quants, x, np.empty(S * 5, np.float32), 5, 64, groups=(2,), add=True)
+
+
+@pytest.mark.parametrize("act", [K.ACT_SILU, K.ACT_GELU_TANH])
+@pytest.mark.parametrize("qtype,n_ff,S", [(QT.Q4_0, 1, 1), (QT.Q8_0, 21, 9), (QT.Q5_K, 3, 2)])
+def test_matvec_with_the_glu(act, qtype, n_ff, S):
+    """A fused gate/up group's mat-vec with the GLU in the same launch (n_ff 21: a block's rows
+    of W past the last pair; S 9: two blocks of rows of x) gives, bit for bit, the GLU kernel's
+    result on the group's two products; and the GLU of float64 products to rounding."""
+    cols = 256
+    w, ref = weight(qtype, 2 * n_ff, cols)
+    d = upload(w, np)
+    x = RNG.standard_normal((S, cols)).astype(np.float32)
+    got = K.matvec(d.kind, d.scales, d.quants, x, np.empty((S, n_ff), np.float32), 2 * n_ff, cols, groups=(n_ff,),
+                   act=act)
+    both = K.matvec(d.kind, d.scales, d.quants, x, np.empty(S * 2 * n_ff, np.float32), 2 * n_ff, cols, groups=(n_ff,))
+    g, u = both[:S * n_ff], both[S * n_ff:]
+    np.testing.assert_array_equal(got.reshape(-1), K.glu(g, u, np.empty_like(g), act))
+    want = glu_ref(x @ ref[:n_ff].T, x @ ref[n_ff:].T, act)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max() + 1e-37)  # or float32 underflowed to 0
+    with pytest.raises(ValueError, match="do not fit"):
+        K.matvec(d.kind, d.scales, d.quants, x, np.empty((S, n_ff), np.float32), 2 * n_ff, cols, act=act)
+
+
+def rmsnorm_ref(x, w, eps=1e-5):
+    x64 = x.astype(np.float64)
+    return x64 / np.sqrt((x64 * x64).mean(axis=-1, keepdims=True) + eps) * w
+
+
 @pytest.mark.parametrize("S,n", [(1, 1), (3, 37), (2, 64)])
 def test_rmsnorm(S, n):
     x = RNG.standard_normal((S, 2 * n)).astype(np.float32)[:, ::2]
     w = RNG.standard_normal(n).astype(np.float32)
     out = K.rmsnorm(x, w, 1e-5, np.empty((S, n), np.float32))
-    x64 = x.astype(np.float64)
-    ref = x64 / np.sqrt((x64 * x64).mean(axis=1, keepdims=True) + 1e-5) * w
-    np.testing.assert_allclose(out, ref, rtol=2e-6, atol=1e-6)
+    np.testing.assert_allclose(out, rmsnorm_ref(x, w), rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("S,H,KVH,D", [(1, 1, 1, 1), (3, 4, 2, 24)])
+def test_head_norms(S, H, KVH, D):
+    """q's heads by wq and k's by wk in one launch: each as `rmsnorm` gives it, bit for bit."""
+    q = RNG.standard_normal((S, H, 2 * D)).astype(np.float32)[:, :, ::2]  # non-contiguous
+    k = RNG.standard_normal((S, KVH, D)).astype(np.float32)
+    wq, wk = RNG.standard_normal(D).astype(np.float32), RNG.standard_normal(D).astype(np.float32)
+    oq, ok = K.head_norms(q, k, wq, wk, 1e-5, np.empty((S, H, D), np.float32), np.empty((S, KVH, D), np.float32))
+    for out, x, w in ((oq, q, wq), (ok, k, wk)):
+        np.testing.assert_allclose(out, rmsnorm_ref(x, w), rtol=2e-6, atol=1e-6)
+        flat = np.ascontiguousarray(x).reshape(-1, D)
+        np.testing.assert_array_equal(out.reshape(-1, D), K.rmsnorm(flat, w, 1e-5, np.empty_like(flat)))
+
+
+@pytest.mark.parametrize("S,n", [(1, 1), (3, 37)])
+def test_add_rmsnorm(S, n):
+    """x += rmsnorm(y) in one launch: the norm's bits added to x's."""
+    x = RNG.standard_normal((S, n)).astype(np.float32)
+    y = RNG.standard_normal((S, 2 * n)).astype(np.float32)[:, ::2]  # non-contiguous
+    w = RNG.standard_normal(n).astype(np.float32)
+    x0 = x.copy()
+    want = x + K.rmsnorm(y, w, 1e-5, np.empty((S, n), np.float32))
+    assert K.add_rmsnorm(x, y, w, 1e-5) is x
+    np.testing.assert_array_equal(x, want)
+    np.testing.assert_allclose(x, x0 + rmsnorm_ref(y, w), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("neox", [False, True])
-@pytest.mark.parametrize("S,H,KVH,D", [(1, 1, 1, 2), (3, 3, 2, 8)])
-def test_rope(neox, S, H, KVH, D):
-    """q and k (their own head counts) rotated in one launch, each as NumPy rotates it."""
-    half = D // 2
+@pytest.mark.parametrize("S,H,KVH,D,half", [(1, 1, 1, 2, 1), (3, 3, 2, 8, 4), (2, 2, 1, 10, 3)])
+def test_rope_store(neox, S, H, KVH, D, half):
+    """q and k (their own head counts) rotated in one launch, each as NumPy rotates it (half 3
+    of D 10: a partial rotary, its last 4 dimensions as they were), and the rotated keys and
+    the values written into the records at `slots`, the other records untouched."""
     angles = np.arange(16)[:, None] * 0.3 / (1 + np.arange(half))[None, :]
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
     q = RNG.standard_normal((S, H, D)).astype(np.float32)
     k = RNG.standard_normal((S, KVH, D)).astype(np.float32)
-    positions = np.array([5, 9, 15][:S], np.int64)
-    got = K.rope(q.copy(), k.copy(), positions, cos, sin, neox)
+    v = RNG.standard_normal((S, KVH, 2 * D)).astype(np.float32)[:, :, ::2]  # non-contiguous
+    kv = RNG.standard_normal((7, KVH, 2, D)).astype(np.float16)
+    before = kv.copy()
+    positions, slots = np.array([5, 9, 15][:S], np.int64), np.array([6, 0, 3][:S], np.int64)
+    gq, gk = q.copy(), k.copy()
+    K.rope_store(gq, gk, v, kv, slots, positions, cos, sin, neox)
     c, s = cos[positions][:, None, :], sin[positions][:, None, :]
-    for out, x in zip(got, (q, k)):
-        a, b = (x[..., :half], x[..., half:]) if neox else (x[..., 0::2], x[..., 1::2])
+    for out, x in ((gq, q), (gk, k)):
+        r = x[..., :2 * half]
+        a, b = (r[..., :half], r[..., half:]) if neox else (r[..., 0::2], r[..., 1::2])
         ra, rb = a * c - b * s, a * s + b * c
-        ref = np.concatenate([ra, rb], -1) if neox else np.stack([ra, rb], -1).reshape(x.shape)
-        np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
+        rot = np.concatenate([ra, rb], -1) if neox else np.stack([ra, rb], -1).reshape(r.shape)
+        np.testing.assert_allclose(out, np.concatenate([rot, x[..., 2 * half:]], -1), rtol=1e-6, atol=1e-6)
+    before[slots, :, 0] = gk
+    before[slots, :, 1] = v
+    np.testing.assert_array_equal(kv, before)
+
+
+def glu_ref(g, u, act):
+    g64 = g.astype(np.float64)
+    z = np.sqrt(2 / np.pi) * 2 * (g64 + 0.044715 * g64 ** 3) if act == K.ACT_GELU_TANH else g64
+    with np.errstate(over="ignore"):  # exp's inf gives the limit, 0
+        return g64 / (1 + np.exp(-z)) * u
 
 
 @pytest.mark.parametrize("act", [K.ACT_SILU, K.ACT_GELU_TANH])
@@ -107,9 +188,7 @@ def test_glu(act, n):
     g = RNG.standard_normal(n).astype(np.float32) * 3
     u = RNG.standard_normal(n).astype(np.float32)
     out = K.glu(g, u, np.empty(n, np.float32), act)
-    g64 = g.astype(np.float64)
-    z = np.sqrt(2 / np.pi) * 2 * (g64 + 0.044715 * g64 ** 3) if act == K.ACT_GELU_TANH else g64
-    np.testing.assert_allclose(out, g64 / (1 + np.exp(-z)) * u, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out, glu_ref(g, u, act), rtol=1e-5, atol=1e-6)
 
 
 def attention_ref(q, keys_of, positions, window, scale, group):

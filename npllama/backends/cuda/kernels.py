@@ -13,9 +13,14 @@ between the simulator and a GPU, both fixed at import:
   simulator, which runs each thread as a Python thread (~0.1 s per block of 32).
 All arithmetic is float32 (integer quants widened to int32 before they multiply).
 
-The wrappers (`matvec`, `dequantize`, `rmsnorm`, `rope`, `glu`, `store_kv`, `attention`) take
-device arrays (CuPy's, or NumPy's in the simulator), check shapes, and launch. `dequantize`
-gives a weight's float32 values, which the tests compare with gguf's to check each layout.
+The wrappers (`matvec`, `dequantize`, `rmsnorm`, `head_norms`, `add_rmsnorm`, `rope_store`,
+`glu`, `store_kv`, `attention`) take device arrays (CuPy's, or NumPy's in the simulator), check
+shapes, and launch. `dequantize` gives a weight's float32 values, which the tests compare with
+gguf's to check each layout. Several do in one launch what a layer's step would otherwise take
+two for (a GPU's decode step is bound by its ~13 us a graph node, not by arithmetic): the
+products with q, k and v, and with gate and up together with the GLU (`matvec` of a fused
+group), a product and its residual add (`matvec(..., add=True)`), both QK norms (`head_norms`), a post-norm and its residual add (`add_rmsnorm`), RoPE
+and the cache write (`rope_store`).
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ SHUFFLES = not SIMULATED and os.environ.get("NPLLAMA_CUDA_SHARED_REDUCTIONS") !=
 LANES = 4 if SIMULATED else 32  # threads per row (mat-vec, norms) and per head (attention)
 ROWS_PER_BLOCK = 32 if SIMULATED else 4  # rows of a mat-vec per block of LANES * ROWS_PER_BLOCK threads
 _MATVEC_THREADS = LANES * ROWS_PER_BLOCK
+_PAIRS = ROWS_PER_BLOCK // 2  # a GLU mat-vec's block: gate rows, then the same up rows
 _X_ROWS = 8  # activation rows a block of the mat-vec takes, one after the other
 _LANE_DIMS = 256 // 4  # head dimensions one lane of attention owns at most: head_dim <= 256, LANES >= 4
 SPLIT = 64  # keys per block of attention (flash decoding: blocks of keys merged in order)
@@ -138,7 +144,7 @@ def _block_dot(kind, scales, quants, row, blk, x):
 
 
 @cuda.jit
-def _matvec_kernel(kind, scales, quants, x, out, rows, cols, e1, e2):
+def _matvec_kernel(kind, scales, quants, x, out, rows, cols, e1, e2, act, add):
     """out = W x[s] for the rows s of x (S, cols): a block takes ROWS_PER_BLOCK rows of W
     and _X_ROWS rows of x (blockIdx.y), one after the other; LANES threads a row of W, each
     taking whole quant blocks of it (F32 rows: single elements), so that a lane's loads do not
@@ -149,12 +155,21 @@ def _matvec_kernel(kind, scales, quants, x, out, rows, cols, e1, e2):
     out holds each group's products (S, its rows) in turn, so that each weight's are one
     C-contiguous array. (Taking one element a lane at a time, as before, took 1.2-4.2x the GPU
     time on SmolLM2's and Gemma 3's layer products and 0.75x on their heads, and decode steps
-    1.11-1.14x the time, on an H200: bench/bench_gpu.py, README.)"""
+    1.11-1.14x the time, on an H200: bench/bench_gpu.py, README.)
+    With act >= 0 (a fused gate/up group: gate rows [0, e1), up rows [e1, rows = 2 e1)), the
+    first half of a block's rows of W are gate rows and the second half the same up rows, and
+    out (S, e1) gets act(gate) * up (`_glu`), the GLU in the same launch; each dot summed as
+    without it. With `add` (one weight), the products are added to out (the residual stream)
+    instead of stored: the same float32 sum, then the add."""
     scratch = cuda.shared.array((_MATVEC_THREADS, _X_ROWS), float32)
+    ups = cuda.shared.array((_PAIRS, _X_ROWS), float32)
     acc = cuda.local.array(_X_ROWS, float32)
     lane = cuda.threadIdx.x % LANES
     local = cuda.threadIdx.x // LANES
     row = cuda.blockIdx.x * ROWS_PER_BLOCK + local
+    pair = cuda.blockIdx.x * _PAIRS + local % _PAIRS  # act >= 0: the GLU's column
+    if act >= 0:
+        row = rows if pair >= e1 else (pair + e1 if local >= _PAIRS else pair)
     s0 = cuda.blockIdx.y * _X_ROWS
     n = min(_X_ROWS, x.shape[0] - s0)
     for i in range(n):
@@ -169,11 +184,22 @@ def _matvec_kernel(kind, scales, quants, x, out, rows, cols, e1, e2):
                     a += _block_dot(kind, scales, quants, row, blk, xs)
         acc[i] = a
     _lane_sums(acc, n, scratch, lane, local * LANES)
-    if row < rows and lane == 0:
+    if act >= 0:
+        if row < rows and lane == 0 and local >= _PAIRS:
+            for i in range(n):
+                ups[local - _PAIRS, i] = acc[i]
+        cuda.syncthreads()
+        if row < rows and lane == 0 and local < _PAIRS:
+            for i in range(n):
+                out[(s0 + i) * e1 + pair] = _glu(acc[i], ups[local, i], act)
+    elif row < rows and lane == 0:
         g0, g1 = (0, e1) if row < e1 else ((e1, e2) if row < e2 else (e2, rows))
         base = x.shape[0] * g0 + row - g0
         for i in range(n):
-            out[base + (s0 + i) * (g1 - g0)] = acc[i]
+            if add:
+                out[base + (s0 + i) * (g1 - g0)] += acc[i]
+            else:
+                out[base + (s0 + i) * (g1 - g0)] = acc[i]
 
 
 @cuda.jit
@@ -188,53 +214,109 @@ def _dequantize_kernel(kind, scales, quants, out, rows, cols):
             out[row, col] = _weight(kind, scales, quants, row, col)
 
 
-@cuda.jit
-def _rmsnorm_kernel(x, w, eps, out, n):
-    scratch = cuda.shared.array((LANES, 1), float32)
-    row = cuda.blockIdx.x
-    lane = cuda.threadIdx.x
+@cuda.jit(device=True, inline=True)
+def _norm_row(x, w, eps, out, row, n, scratch, lane, add):
+    """out[row] = x[row] / rms(x[row]) * w, or (add) out[row] += it; LANES threads a row, each
+    every LANES-th element."""
     acc = float32(0.0)
     for i in range(lane, n, LANES):
         acc += x[row, i] * x[row, i]
     r = float32(1.0) / math.sqrt(_lane_sum(acc, scratch, lane, 0) / float32(n) + eps)
     for i in range(lane, n, LANES):
-        out[row, i] = (x[row, i] * r) * w[i]
+        y = (x[row, i] * r) * w[i]
+        if add:
+            out[row, i] += y
+        else:
+            out[row, i] = y
+
+
+@cuda.jit
+def _rmsnorm_kernel(x, w, eps, out, n):
+    # block: one row of x (S, n)
+    scratch = cuda.shared.array((LANES, 1), float32)
+    _norm_row(x, w, eps, out, cuda.blockIdx.x, n, scratch, cuda.threadIdx.x, False)
+
+
+@cuda.jit
+def _head_norms_kernel(q, k, wq, wk, eps, out_q, out_k, n):
+    """Block b: row b of q's rows (S * H, n), then of k's (S * KVH, n), each normed by its
+    array's weight (a layer's QK norms, both in one launch)."""
+    scratch = cuda.shared.array((LANES, 1), float32)
+    row = cuda.blockIdx.x
+    if row < q.shape[0]:
+        _norm_row(q, wq, eps, out_q, row, n, scratch, cuda.threadIdx.x, False)
+    else:
+        _norm_row(k, wk, eps, out_k, row - q.shape[0], n, scratch, cuda.threadIdx.x, False)
+
+
+@cuda.jit
+def _add_rmsnorm_kernel(x, y, w, eps, n):
+    """Block: one row; x[row] += y[row] / rms(y[row]) * w (a post-norm's output added to the
+    residual stream in one launch)."""
+    scratch = cuda.shared.array((LANES, 1), float32)
+    _norm_row(y, w, eps, x, cuda.blockIdx.x, n, scratch, cuda.threadIdx.x, True)
 
 
 @cuda.jit(device=True, inline=True)
-def _rotate(x, s, h, k, p, cos, sin, neox, half):
-    """Pair k of head h of token s of x, at position p, rotated in place."""
-    c = cos[p, k]
-    sn = sin[p, k]
-    a_i = k if neox else 2 * k
-    b_i = k + half if neox else 2 * k + 1
+def _pair(x, s, h, j, p, cos, sin, neox, half):
+    """The two elements of pair j of head h of token s of x: pair j < half (the rotary pairs:
+    j and j + half, or 2j and 2j + 1) rotated in place at position p; the pairs past them (a
+    partial rotary's dimensions 2 half.. D) are 2j and 2j + 1, left as they are. Returns their
+    indices."""
+    if j >= half:
+        return 2 * j, 2 * j + 1
+    a_i = j if neox else 2 * j
+    b_i = j + half if neox else 2 * j + 1
+    c = cos[p, j]
+    sn = sin[p, j]
     a = x[s, h, a_i]
     b = x[s, h, b_i]
     x[s, h, a_i] = a * c - b * sn
     x[s, h, b_i] = a * sn + b * c
+    return a_i, b_i
 
 
 @cuda.jit
-def _rope_kernel(q, k, positions, cos, sin, neox, half):
-    # q (S, H, D) and k (S, KVH, D) rotated in place; one thread per (token, head of q or k, pair)
+def _rope_store_kernel(q, k, v, kv, slots, positions, cos, sin, neox, half):
+    """Thread (token s, head of q or of k, pair j < D / 2): the pair rotated in place (`_pair`);
+    for a head of k, the pair's elements of k (so rotated) and of v into row slots[s] of the
+    interleaved records kv (rows, KVH, 2, D), cast to the buffer's type. One launch for a
+    layer's RoPE and its cache write."""
     i = cuda.grid(1)
-    S, H, KVH = q.shape[0], q.shape[1], k.shape[1]
-    if i < S * (H + KVH) * half:
-        s = i // ((H + KVH) * half)
-        h = (i // half) % (H + KVH)
+    S, H, KVH, pairs = q.shape[0], q.shape[1], k.shape[1], q.shape[2] // 2
+    if i < S * (H + KVH) * pairs:
+        s = i // ((H + KVH) * pairs)
+        h = (i // pairs) % (H + KVH)
+        j = i % pairs
         if h < H:
-            _rotate(q, s, h, i % half, positions[s], cos, sin, neox, half)
+            _pair(q, s, h, j, positions[s], cos, sin, neox, half)
         else:
-            _rotate(k, s, h - H, i % half, positions[s], cos, sin, neox, half)
+            h -= H
+            a_i, b_i = _pair(k, s, h, j, positions[s], cos, sin, neox, half)
+            r = slots[s]
+            kv[r, h, 0, a_i] = k[s, h, a_i]
+            kv[r, h, 0, b_i] = k[s, h, b_i]
+            kv[r, h, 1, a_i] = v[s, h, a_i]
+            kv[r, h, 1, b_i] = v[s, h, b_i]
+
+
+@cuda.jit(device=True, inline=True)
+def _glu(g, u, act):
+    """act(g) * u: SiLU g * sigmoid(g), or GELU (tanh form) g * sigmoid(2 sqrt(2/pi) (g + 0.044715 g^3)).
+    sigmoid(z) is 1 / (1 + e^-z) for z >= 0 and e^z / (1 + e^z) below, so its exponential never
+    overflows (the simulator's math.exp raises where a GPU's gives inf)."""
+    z = _GELU_C * (g + _GELU_A * g * g * g) if act == ACT_GELU_TANH else g
+    if z >= 0:
+        return g / (float32(1.0) + math.exp(-z)) * u
+    e = math.exp(z)
+    return g * e / (float32(1.0) + e) * u
 
 
 @cuda.jit
 def _glu_kernel(gate, up, out, act, n):
     i = cuda.grid(1)
     if i < n:
-        g = gate[i]
-        z = _GELU_C * (g + _GELU_A * g * g * g) if act == ACT_GELU_TANH else g
-        out[i] = g / (float32(1.0) + math.exp(-z)) * up[i]
+        out[i] = _glu(gate[i], up[i], act)
 
 
 @cuda.jit
@@ -348,20 +430,27 @@ def _out(name: str, a):
     return a if SIMULATED else cuda.as_cuda_array(a, sync=False)
 
 
-def matvec(kind: int, scales, quants, x, out, rows: int, cols: int, groups=(), stream=0):
+def matvec(kind: int, scales, quants, x, out, rows: int, cols: int, groups=(), act=None, add=False, stream=0):
     """out[s, r] = sum_c W[r, c] x[s, c] for a weight of `kind` laid out as (scales, quants) and
     activation rows x (S, cols) into out (S, rows); each row's sums the same whatever S. With
     `groups`, one or two row boundaries inside W (a fused group's weights), out holds each
-    group's products (S, its rows) one after the other: slice it flat at S times each boundary."""
+    group's products (S, its rows) one after the other: slice it flat at S times each boundary.
+    With `act` (ACT_SILU, ACT_GELU_TANH) W is a fused gate/up group, its one boundary at
+    rows / 2, and out (S, rows / 2) gets the GLU act(gate products) * (up products). With
+    `add` (one weight), out += the products, in place."""
     S = x.shape[0]
     bounds = sorted(int(g) for g in groups)
-    if (x.ndim != 2 or x.shape[1] != cols or out.size != S * rows or len(bounds) > 2
-            or any(not 0 < g < rows for g in bounds)):
-        raise ValueError(f"matvec: x {x.shape}, out {out.shape} and groups {tuple(groups)} do not fit a ({rows}, "
-                         f"{cols}) weight")
+    glu_ok = act is None or (bounds == [rows // 2] and rows % 2 == 0)
+    if (x.ndim != 2 or x.shape[1] != cols or out.size != S * (rows if act is None else rows // 2)
+            or len(bounds) > 2 or any(not 0 < g < rows for g in bounds) or not glu_ok
+            or (add and (bounds or act is not None))):
+        raise ValueError(f"matvec: x {x.shape}, out {out.shape}, groups {tuple(groups)}, act {act} and add {add} do "
+                         f"not fit a ({rows}, {cols}) weight")
     e1, e2 = (bounds + [rows, rows])[:2]
-    _matvec_kernel[(_blocks(rows, ROWS_PER_BLOCK), _blocks(S, _X_ROWS)), _MATVEC_THREADS, stream](
-        kind, _c(scales), _c(quants), _c(x), _out("matvec: out", out).reshape(-1), rows, cols, e1, e2)
+    blocks = _blocks(rows, ROWS_PER_BLOCK) if act is None else _blocks(e1, _PAIRS)
+    _matvec_kernel[(blocks, _blocks(S, _X_ROWS)), _MATVEC_THREADS, stream](
+        kind, _c(scales), _c(quants), _c(x), _out("matvec: out", out).reshape(-1), rows, cols, e1, e2,
+        -1 if act is None else int(act), bool(add))
     return out
 
 
@@ -382,16 +471,45 @@ def rmsnorm(x, w, eps: float, out, stream=0):
     return out
 
 
-def rope(q, k, positions, cos, sin, neox: bool, stream=0):
-    """q (S, H, D) and k (S, KVH, D) rotated in place, in one launch, by the tables' rows at
-    `positions` (S,), a device array."""
-    S, H, _ = q.shape
-    half = cos.shape[1]
-    if positions.shape != (S,) or k.shape[0] != S or k.shape[2] != q.shape[2]:
-        raise ValueError(f"rope: q {q.shape}, k {k.shape} and positions {positions.shape} do not fit")
-    _rope_kernel[_blocks(S * (H + k.shape[1]) * half, 128), 128, stream](
-        _out("rope: q", q), _out("rope: k", k), _c(positions), _c(cos), _c(sin), bool(neox), half)
-    return q, k
+def head_norms(q, k, wq, wk, eps: float, out_q, out_k, stream=0):
+    """Each head of q (S, H, D) normed as `rmsnorm` by wq (D,), and each of k (S, KVH, D) by wk,
+    into out_q and out_k, in one launch (a layer's QK norms)."""
+    D = q.shape[-1]
+    if (q.ndim != 3 or k.ndim != 3 or k.shape[0] != q.shape[0] or k.shape[2] != D or wq.shape != (D,)
+            or wk.shape != (D,) or out_q.shape != q.shape or out_k.shape != k.shape):
+        raise ValueError(f"head_norms: q {q.shape}, k {k.shape}, wq {wq.shape}, wk {wk.shape}, out_q {out_q.shape} "
+                         f"and out_k {out_k.shape} do not fit")
+    rows_q, rows_k = q.shape[0] * q.shape[1], k.shape[0] * k.shape[1]
+    _head_norms_kernel[rows_q + rows_k, LANES, stream](
+        _c(q).reshape(rows_q, D), _c(k).reshape(rows_k, D), _c(wq), _c(wk), np.float32(eps),
+        _out("head_norms: out_q", out_q).reshape(rows_q, D), _out("head_norms: out_k", out_k).reshape(rows_k, D), D)
+    return out_q, out_k
+
+
+def add_rmsnorm(x, y, w, eps: float, stream=0):
+    """x (S, n) += each row of y (S, n) normed as `rmsnorm` by w (n,), in place, in one launch."""
+    if x.ndim != 2 or y.shape != x.shape or w.shape != (x.shape[1],):
+        raise ValueError(f"add_rmsnorm: x {x.shape}, y {y.shape} and w {w.shape} do not fit")
+    _add_rmsnorm_kernel[x.shape[0], LANES, stream](_out("add_rmsnorm: x", x), _c(y), _c(w), np.float32(eps),
+                                                   x.shape[1])
+    return x
+
+
+def rope_store(q, k, v, kv, slots, positions, cos, sin, neox: bool, stream=0):
+    """q (S, H, D) and k (S, KVH, D) rotated in place by the tables' rows at `positions` (S,)
+    (cos and sin (positions, half): the first 2 half dimensions rotate), and the keys (so
+    rotated) and the values v (S, KVH, D) stored into rows `slots` (S,) of the interleaved
+    records kv (rows, KVH, 2, D), all in one launch; positions and slots are device arrays."""
+    S, H, D = q.shape
+    KVH, half = k.shape[1], cos.shape[1]
+    if (positions.shape != (S,) or slots.shape != (S,) or k.shape != (S, KVH, D) or v.shape != k.shape or D % 2
+            or 2 * half > D or sin.shape != cos.shape or kv.shape[1:] != (KVH, 2, D)):
+        raise ValueError(f"rope_store: q {q.shape}, k {k.shape}, v {v.shape}, kv {kv.shape}, slots {slots.shape}, "
+                         f"positions {positions.shape} and tables {cos.shape} do not fit")
+    _rope_store_kernel[_blocks(S * (H + KVH) * (D // 2), 128), 128, stream](
+        _out("rope_store: q", q), _out("rope_store: k", k), _c(v), _out("rope_store: kv", kv), _c(slots),
+        _c(positions), _c(cos), _c(sin), bool(neox), half)
+    return q, kv
 
 
 def glu(gate, up, out, act: int, stream=0):

@@ -241,7 +241,7 @@ class DeviceKVPool(KVPool):
 
 class DeviceOps(block.Ops):
     """`block.Ops` on device arrays: products, norms, GLU, RoPE and attention by the kernels,
-    on the model's stream. Each layer's new keys and values go to the flat `slots` (a device
+    on the model's stream, with the fused launches of kernels.py where a layer allows them. Each layer's new keys and values go to the flat `slots` (a device
     array) of its records, `pages(li)` (pages, page_size, KVH, 2, D); query s finds its keys
     through the page table tables[seq_of[s]] (a pool's pages, or a session cache's buffer as
     one page) and attention launches `splits` blocks of keys (the caller commits the cache)."""
@@ -290,22 +290,57 @@ class DeviceOps(block.Ops):
         return K.rmsnorm(flat, self.model.device_vector(w), self.cfg.rms_eps, xp.empty_like(flat),
                          stream=self.stream).reshape(shape)
 
+    def qk_norm(self, q, k, wq, wk):
+        xp = self.xp
+        q, k = xp.ascontiguousarray(q), xp.ascontiguousarray(k)
+        return K.head_norms(q, k, self.model.device_vector(wq), self.model.device_vector(wk), self.cfg.rms_eps,
+                            xp.empty_like(q), xp.empty_like(k), stream=self.stream)
+
     def glu(self, gate, up, h):
-        g, u = self._fused(gate, h) or (self.product(gate, h), self.product(up, h))
-        return K.glu(g, u, self.xp.empty_like(g), _ACTS[self.cfg.act], stream=self.stream)
+        """act(h @ gate.T) * (h @ up.T): one mat-vec with the GLU in it where gate and up are a
+        fused group (`upload_all`; unless NPLLAMA_CUDA_FUSE=0), else their two products and
+        the GLU's kernel."""
+        group = self.model.fused.get(gate.name) if self.model.fuse else None
+        act = _ACTS[self.cfg.act]
+        if group is not None:
+            d, _ = group
+            out = self.xp.empty((h.shape[0], d.rows // 2), np.float32)
+            return K.matvec(d.kind, d.scales, d.quants, self.xp.ascontiguousarray(h), out, d.rows, d.cols,
+                            groups=(d.rows // 2,), act=act, stream=self.stream)
+        g, u = self.product(gate, h), self.product(up, h)
+        return K.glu(g, u, self.xp.empty_like(g), act, stream=self.stream)
 
     def add(self, x, b):
         x += self.model.device_vector(b)
 
-    def rope(self, q, k, positions, cos, sin):
-        K.rope(q, k, self.positions, self.model.device_vector(cos), self.model.device_vector(sin),
-               self.cfg.rope_neox, stream=self.stream)
+    def residual(self, x, y, w):
+        if w is None:
+            x += y
+        else:
+            K.add_rmsnorm(x, self.xp.ascontiguousarray(y), self.model.device_vector(w), self.cfg.rms_eps,
+                          stream=self.stream)
 
-    def attention(self, li, q, k, v, window):
+    def add_product(self, x, W, h, w):
+        """Without a post-norm, the mat-vec adds its products to x itself (one launch)."""
+        if w is not None:
+            return super().add_product(x, W, h, w)
+        d = self.model.device_weights[W.name]
+        K.matvec(d.kind, d.scales, d.quants, self.xp.ascontiguousarray(h), x, d.rows, d.cols, add=True,
+                 stream=self.stream)
+
+    def rope_attention(self, li, q, k, v, rope, window):
+        """RoPE of q and k and the layer's cache write in one launch (the keys and values of
+        a layer without RoPE by the store's), then attention."""
         xp = self.xp
         pages = self.pages(li)
-        K.store_kv(pages.reshape(-1, *pages.shape[2:]), k, v, self.slots, stream=self.stream)
-        q = xp.ascontiguousarray(q)
+        records = pages.reshape(-1, *pages.shape[2:])
+        q, k, v = xp.ascontiguousarray(q), xp.ascontiguousarray(k), xp.ascontiguousarray(v)
+        if rope is None:
+            K.store_kv(records, k, v, self.slots, stream=self.stream)
+        else:
+            _, cos, sin = rope  # the positions: self.positions, on the device
+            K.rope_store(q, k, v, records, self.slots, self.positions, self.model.device_vector(cos),
+                         self.model.device_vector(sin), self.cfg.rope_neox, stream=self.stream)
         return K.attention(q, pages, self.tables, self.seq_of, self.positions, self.splits, int(window),
                            self.cfg.attn_scale, xp.empty_like(q), xp, stream=self.stream)
 
