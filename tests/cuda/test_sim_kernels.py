@@ -269,3 +269,18 @@ def test_store_kv(dtype, S):
     before[slots, :, 1] = v
     np.testing.assert_array_equal(kv, before)
 
+
+
+def test_a_gpus_block_shapes(monkeypatch):
+    """The kernels with a GPU's block shapes (32 lanes a row or head, 4 rows of W a block: 2
+    pairs of a GLU mat-vec), which the simulator otherwise shrinks to 4 lanes and 32 rows to
+    run fast; its kernels read these names at run time. Each case is a test above."""
+    for name, value in (("LANES", 32), ("ROWS_PER_BLOCK", 4), ("_PAIRS", 2), ("_MATVEC_THREADS", 128)):
+        monkeypatch.setattr(K, name, value)
+    test_matvec_of_a_fused_group(QT.Q4_1, (3, 5))
+    test_matvec_with_the_glu(K.ACT_GELU_TANH, QT.Q8_0, 5, 9)
+    test_matvec_adds_to_out(9)
+    test_head_norms(2, 3, 1, 40)
+    test_add_rmsnorm(3, 37)
+    test_rope_store(True, 2, 2, 1, 10, 3)
+    test_paged_attention(np.float16, 16, 6)
