@@ -241,10 +241,11 @@ class DeviceKVPool(KVPool):
 
 class DeviceOps(block.Ops):
     """`block.Ops` on device arrays: products, norms, GLU, RoPE and attention by the kernels,
-    on the model's stream, with the fused launches of kernels.py where a layer allows them. Each layer's new keys and values go to the flat `slots` (a device
-    array) of its records, `pages(li)` (pages, page_size, KVH, 2, D); query s finds its keys
-    through the page table tables[seq_of[s]] (a pool's pages, or a session cache's buffer as
-    one page) and attention launches `splits` blocks of keys (the caller commits the cache)."""
+    on the model's stream, with the fused launches of kernels.py where a layer allows them.
+    Each layer's new keys and values go to the flat `slots` (a device array) of its records,
+    `pages(li)` (pages, page_size, KVH, 2, D); query s finds its keys through the page table
+    tables[seq_of[s]] (a pool's pages, or a session cache's buffer as one page) and attention
+    launches `splits` blocks of keys (the caller commits the cache)."""
 
     def __init__(self, model: "CudaModel", pages, slots, tables, seq_of, positions, splits: int):
         super().__init__(model.config)
