@@ -12,10 +12,11 @@ demo: $(VENV)/.installed
 # The simulator's tests run in a process of their own beside the main suite (one core of
 # Python threads, where the main suite spends much of its time in one-threaded Numba
 # compiles); their output follows the main suite's, and either one failing fails `make test`.
+# Each lists its slowest tests (cold Numba compiles included), to keep the whole under ~20 min.
 test: $(VENV)/.installed
-	@NUMBA_ENABLE_CUDASIM=1 $(VENV)/bin/python -m pytest tests/cuda > .cuda-sim.log 2>&1 & sim=$$!; \
+	@NUMBA_ENABLE_CUDASIM=1 $(VENV)/bin/python -m pytest --durations=10 tests/cuda > .cuda-sim.log 2>&1 & sim=$$!; \
 	trap 'kill $$sim 2>/dev/null' INT TERM; \
-	$(VENV)/bin/python -m pytest; main=$$?; \
+	$(VENV)/bin/python -m pytest --durations=25; main=$$?; \
 	wait $$sim; cuda=$$?; \
 	echo "--- the CUDA backend in Numba's simulator (NUMBA_ENABLE_CUDASIM=1 pytest tests/cuda) ---"; \
 	cat .cuda-sim.log; \
