@@ -145,6 +145,44 @@ def breakdown(model, ids) -> None:
                                             stream=model.launch_stream))
         mb = (d.scales.nbytes + d.quants.nbytes) / 1e6
         print(f"  mat-vec {w.name:22s} {d.rows}x{d.cols} ({mb:.1f} MB read): {us:.1f} us ({mb / us:.2f} TB/s)")
+    layer_kernels(model)
+
+
+def layer_kernels(model, keys: int = 200) -> None:
+    """GPU microseconds of each other launch of a decode step's layer, as graph nodes (`gpu_us`),
+    on the model's shapes, attention over `keys` keys of a 256-key cache (its 4 splits)."""
+    import cupy
+    from npllama.backends.cuda import kernels as K
+    cfg, st = model.config, model.launch_stream
+    E, H, KVH, D, eps = cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rms_eps
+    rng = np.random.default_rng(0)
+    x, y = (cupy.asarray(rng.standard_normal((1, E), np.float32)) for _ in range(2))
+    wE, wD = cupy.ones(E, np.float32), cupy.ones(D, np.float32)
+    q, q2 = cupy.asarray(rng.standard_normal((1, H, D), np.float32)), cupy.empty((1, H, D), np.float32)
+    k, k2 = cupy.asarray(rng.standard_normal((1, KVH, D), np.float32)), cupy.empty((1, KVH, D), np.float32)
+    v = cupy.asarray(rng.standard_normal((1, KVH, D), np.float32))
+    kv = cupy.asarray(rng.standard_normal((256, KVH, 2, D)).astype(np.float32))
+    cos, sin = (cupy.asarray(t[0]) for t in model.ropes.tables(256))
+    at = cupy.full(1, keys - 1, np.int64)
+    one_page, seq_of = cupy.zeros((1, 1), np.int32), cupy.zeros(1, np.int64)
+    ways = {"rmsnorm": lambda: K.rmsnorm(x, wE, eps, y, stream=st),
+            "add_rmsnorm (post-norm + add)": lambda: K.add_rmsnorm(x, y, wE, eps, stream=st),
+            "head_norms (QK norms)": lambda: K.head_norms(q, k, wD, wD, eps, q2, k2, stream=st),
+            "rope_store (RoPE + cache write)": lambda: K.rope_store(q, k, v, kv, at, at, cos, sin, cfg.rope_neox,
+                                                                     stream=st),
+            f"attention ({keys} keys, 4 splits + merge)": lambda: K.attention(
+                q, kv[None], one_page, seq_of, at, 4, 0, cfg.attn_scale, q2, cupy, stream=st)}
+    group = model.fused.get(model.layers[0].w_gate.name)
+    if group is not None:
+        d, rows = group
+        h, g = cupy.ones((1, d.cols), np.float32), cupy.empty((1, rows[0]), np.float32)
+        ways[f"gate/up mat-vec with the GLU {d.rows}x{d.cols}"] = lambda: K.matvec(
+            d.kind, d.scales, d.quants, h, g, d.rows, d.cols, groups=(rows[0],), act=K.ACT_SILU, stream=st)
+    for name, fn in ways.items():
+        try:
+            print(f"  {name:44s} {gpu_us(model, fn):7.1f} us", flush=True)
+        except Exception as e:  # noqa: BLE001 - reported, the rest still measured
+            print(f"  {name:44s} failed: {type(e).__name__}: {e}", flush=True)
 
 
 def batch(model, path: str) -> None:
