@@ -48,8 +48,7 @@ def test_kernel_compiles_to_ptx_without_float64(name):
         assert ".target sm_90" in ptx
         body = [line for line in ptx.splitlines() if not line.lstrip().startswith("//")]
         assert not [line for line in body if ".f64" in line], f"{name}{sig}: float64 in the PTX"
-        if name in ("_matvec_kernel", "_rmsnorm_kernel", "_head_norms_kernel", "_add_rmsnorm_kernel",
-                    "_attention_split_kernel"):
+        if name in ("_matvec_kernel", "_rmsnorm_kernel", "_head_norms_kernel", "_add_rmsnorm_kernel"):
             assert "shfl.sync.bfly" in ptx  # a GPU reduces across the warp by shuffles
 
 

@@ -336,13 +336,17 @@ def _store_kv_kernel(kv, k, v, slots):
 
 @cuda.jit
 def _attention_split_kernel(q, kv, tables, seq_of, positions, window, scale, group, part_m, part_l, part_acc):
-    """Block (query s * H + head h, split b): online softmax over keys [b * SPLIT, (b+1) * SPLIT)
-    that query s sees; lane d of the LANES threads owns dimensions d, d + LANES, ...
-    Key t of query s is record (t % page_size) of page tables[seq_of[s], t // page_size] of kv
-    (pages, page_size, KVH, 2, D): a pool's pages, or a cache's buffer as one page.
+    """Block (query s * H + head h, split b): softmax attention over keys [b * SPLIT, (b+1) *
+    SPLIT) that query s sees, left for the merge as (its maximum score m, its sum of weights l,
+    its weighted sum of values). Each of the LANES threads scores whole keys of the split (key
+    b * SPLIT + j * LANES + lane: a full dot over D, no reduction across lanes), the scores
+    meet in shared memory, every thread takes their maximum and the weights' sum in the same
+    order, and then lane d sums the values of dimensions d, d + LANES, ... over the keys in
+    order. Key t of query s is record (t % page_size) of page tables[seq_of[s], t // page_size]
+    of kv (pages, page_size, KVH, 2, D): a pool's pages, or a cache's buffer as one page.
     A split past the query's keys leaves l = 0, which the merge skips: a CUDA graph launches
     the splits of the cache's capacity and reads the positions from device memory."""
-    scratch = cuda.shared.array((LANES, 1), float32)
+    weights = cuda.shared.array(SPLIT, float32)
     acc = cuda.local.array(_LANE_DIMS, float32)
     sh = cuda.blockIdx.x
     b = cuda.blockIdx.y
@@ -355,31 +359,48 @@ def _attention_split_kernel(q, kv, tables, seq_of, positions, window, scale, gro
     kvh = h // group
     seq = seq_of[s]
     p = positions[s]  # the query sees keys t <= p (stored before this kernel), t > p - window
-    lo = b * SPLIT
-    hi = min(lo + SPLIT, p + 1)
+    base = b * SPLIT
+    lo = base
+    hi = min(base + SPLIT, p + 1)
     if window > 0:
         lo = max(lo, p - window + 1)
     n_own = (D - lane + LANES - 1) // LANES
+    if hi <= lo:  # no key of this query in the split (the whole block takes this branch)
+        for j in range(n_own):
+            part_acc[sh, b, lane + j * LANES] = float32(0.0)
+        if lane == 0:
+            part_m[sh, b] = float32(-3.0e38)
+            part_l[sh, b] = float32(0.0)
+        return
+    for i in range(lane, SPLIT, LANES):
+        t = base + i
+        score = float32(-3.0e38)
+        if lo <= t and t < hi:
+            page = tables[seq, t // page_size]
+            r = t % page_size
+            dot = float32(0.0)
+            for d in range(D):
+                dot += q[s, h, d] * float32(kv[page, r, kvh, 0, d])
+            score = dot * scale
+        weights[i] = score
+    cuda.syncthreads()
+    m = float32(-3.0e38)
+    for i in range(lo - base, hi - base):
+        m = max(m, weights[i])
+    cuda.syncthreads()  # every thread has read the scores before they turn into weights
+    for i in range(lane, SPLIT, LANES):
+        weights[i] = math.exp(weights[i] - m)  # past the keys: exp(-3e38 - m) = 0, never read
+    cuda.syncthreads()
+    l = float32(0.0)
     for j in range(n_own):
         acc[j] = float32(0.0)
-    m = float32(-3.0e38)
-    l = float32(0.0)
     for t in range(lo, hi):
+        w = weights[t - base]
+        l += w
         page = tables[seq, t // page_size]
         r = t % page_size
-        part = float32(0.0)
         for j in range(n_own):
-            d = lane + j * LANES
-            part += q[s, h, d] * float32(kv[page, r, kvh, 0, d])
-        score = _lane_sum(part, scratch, lane, 0) * scale
-        m_new = max(m, score)
-        alpha = math.exp(m - m_new)
-        w = math.exp(score - m_new)
-        l = l * alpha + w
-        for j in range(n_own):
-            d = lane + j * LANES
-            acc[j] = acc[j] * alpha + w * float32(kv[page, r, kvh, 1, d])
-        m = m_new
+            acc[j] += w * float32(kv[page, r, kvh, 1, lane + j * LANES])
     for j in range(n_own):
         part_acc[sh, b, lane + j * LANES] = acc[j]
     if lane == 0:
