@@ -103,7 +103,8 @@ def test_matvec_with_the_glu(act, qtype, n_ff, S):
     g, u = both[:S * n_ff], both[S * n_ff:]
     np.testing.assert_array_equal(got.reshape(-1), K.glu(g, u, np.empty_like(g), act))
     want = glu_ref(x @ ref[:n_ff].T, x @ ref[n_ff:].T, act)
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max() + 1e-37)  # or float32 underflowed to 0
+    # (1e-37: where every value underflows float32 to 0)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max() + 1e-37)
     with pytest.raises(ValueError, match="do not fit"):
         K.matvec(d.kind, d.scales, d.quants, x, np.empty((S, n_ff), np.float32), 2 * n_ff, cols, act=act)
 

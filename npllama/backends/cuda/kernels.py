@@ -17,10 +17,11 @@ The wrappers (`matvec`, `dequantize`, `rmsnorm`, `head_norms`, `add_rmsnorm`, `r
 `glu`, `store_kv`, `attention`) take device arrays (CuPy's, or NumPy's in the simulator), check
 shapes, and launch. `dequantize` gives a weight's float32 values, which the tests compare with
 gguf's to check each layout. Several do in one launch what a layer's step would otherwise take
-two for (a GPU's decode step is bound by its ~13 us a graph node, not by arithmetic): the
-products with q, k and v, and with gate and up together with the GLU (`matvec` of a fused
-group), a product and its residual add (`matvec(..., add=True)`), both QK norms (`head_norms`), a post-norm and its residual add (`add_rmsnorm`), RoPE
-and the cache write (`rope_store`).
+two or more for (the H200 runs found a decode step bound by its ~13 us a graph node, not by
+arithmetic): the products with q, k and v, and with gate and up together with the GLU
+(`matvec` of a fused group), a product and its residual add (`matvec(..., add=True)`), both QK
+norms (`head_norms`), a post-norm and its residual add (`add_rmsnorm`), RoPE and the cache
+write (`rope_store`).
 """
 from __future__ import annotations
 
