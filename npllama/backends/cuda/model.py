@@ -267,12 +267,16 @@ class DeviceOps(block.Ops):
         return K.matvec(d.kind, d.scales, d.quants, self.xp.ascontiguousarray(h), out, d.rows, d.cols,
                         stream=self.stream)
 
+    def _group(self, first: QWeight):
+        """`first`'s fused group (`upload_all`): (a DeviceWeight of all its weights' rows, each
+        weight's rows); None where the group is not fused, or NPLLAMA_CUDA_FUSE=0."""
+        return self.model.fused.get(first.name) if self.model.fuse else None
+
     def _fused(self, first: QWeight, h):
-        """The products with the weights of `first`'s fused group (`upload_all`) by one mat-vec
-        over all their rows (the same sums as each alone, one launch instead of two or three),
-        each weight's a C-contiguous (S, rows); None where the group is not fused (or
-        NPLLAMA_CUDA_FUSE=0)."""
-        group = self.model.fused.get(first.name) if self.model.fuse else None
+        """The products with the weights of `first`'s fused group by one mat-vec over all their
+        rows (the same sums as each alone, one launch instead of two or three), each weight's a
+        C-contiguous (S, rows); None where the group is not fused."""
+        group = self._group(first)
         if group is None:
             return None
         d, rows = group
@@ -299,9 +303,8 @@ class DeviceOps(block.Ops):
 
     def glu(self, gate, up, h):
         """act(h @ gate.T) * (h @ up.T): one mat-vec with the GLU in it where gate and up are a
-        fused group (`upload_all`; unless NPLLAMA_CUDA_FUSE=0), else their two products and
-        the GLU's kernel."""
-        group = self.model.fused.get(gate.name) if self.model.fuse else None
+        fused group (`_group`), else their two products and the GLU's kernel."""
+        group = self._group(gate)
         act = _ACTS[self.cfg.act]
         if group is not None:
             d, _ = group
@@ -315,8 +318,9 @@ class DeviceOps(block.Ops):
         x += self.model.device_vector(b)
 
     def residual(self, x, y, w):
+        """A post-norm and its add in one launch (`block.Ops.residual` without a post-norm)."""
         if w is None:
-            x += y
+            super().residual(x, y, w)
         else:
             K.add_rmsnorm(x, self.xp.ascontiguousarray(y), self.model.device_vector(w), self.cfg.rms_eps,
                           stream=self.stream)
