@@ -59,11 +59,12 @@ on memory, which the hardware prefetcher alone did not hide. So the tiles of the
 `_PREFETCH_ROWS` rows ask for the next panel's bytes as they read their own, the requests
 spread over those four tiles (one tile's requests alone did not help; every tile's at 128 rows
 did no better). One activation row (the decode step's) has a kernel of its own,
-`_panel_dots_one`, which asks for nothing where the CPU has VNNI: there its products already
-ran at the memory's bandwidth. With AVX2 (measured on a Zen 3) it asks too: its products from
-memory took 0.63-0.92x the time. (Asking from the one-row tiles of the kernel for several rows
-left those rows' code the same, instruction for instruction, yet made int24 products of 128
-rows 1.1-1.5x slower.)
+`_panel_dots_one`, which asks for the next panel too. With AVX2 (a Zen 3) its products from
+memory took 0.63-0.92x the time. With AVX-512 VNNI on an Intel Xeon they took 0.69-0.99x (int24) and
+0.69-0.91x (int8), and whole decode steps 0.56-0.79x; a Zen 4's had come near the memory's
+bandwidth without it. (Asking from the one-row tiles of the kernel for several rows left those
+rows' code the same, instruction for instruction, yet made int24 products of 128 rows 1.1-1.5x
+slower.)
 
 The integer sums are exact, and every activation row's float operations are the same whatever
 the tile size, so a row's products do not depend on the other rows beside it (batched passes
@@ -494,8 +495,8 @@ def _make_panel_dots(isa: str, one_row: bool = False):
     panel, xr, tmp)``: tmp[t, i] = dot(row i of the panel, x_t) for every activation row t
     (tmp: (T, 16) float32) of a weight of type `code` (one with panels), xr the activation
     rows in int8 or int24 blocks (4 arrays, the module's docstring). With `one_row`, for
-    one activation row (the decode step's): tiles of one row that, with AVX2, prefetch the
-    next panel (the module's docstring)."""
+    one activation row (the decode step's): tiles of one row, which prefetch the next panel
+    (the module's docstring)."""
     v16i, v16f, v64b = _vec(_I32, 16), _vec(_F32T, 16), _vec(_I8, 64)
 
     def scales(builder, pp, at, layout, has_m):  # the 16 rows' d, and their m or second d (_KINDS)
@@ -535,7 +536,7 @@ def _make_panel_dots(isa: str, one_row: bool = False):
         irow = [[builder.mul(builder.add(builder.mul(r, c(P)), c(p)), nb) for r in rows] for p in range(P)]
         acc = [cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for _ in range(tt)]
         # whether this tile prefetches the next panel (the docstring)
-        ahead = builder.icmp_signed("<", t0, c(_PREFETCH_ROWS)) if tt > 1 or (one_row and isa == "avx2") else None
+        ahead = builder.icmp_signed("<", t0, c(_PREFETCH_ROWS)) if tt > 1 or one_row else None
         with cgutils.for_range(builder, nb) as loop:
             b = loop.index
             ob = builder.mul(b, c(pbs))
