@@ -60,11 +60,11 @@ on memory, which the hardware prefetcher alone did not hide. So the tiles of the
 spread over those four tiles (one tile's requests alone did not help; every tile's at 128 rows
 did no better). One activation row (the decode step's) has a kernel of its own,
 `_panel_dots_one`, which asks for the next panel too. With AVX2 (a Zen 3) its products from
-memory took 0.63-0.92x the time. With AVX-512 VNNI on an Intel Xeon they took 0.69-0.99x (int24) and
-0.69-0.91x (int8), and whole decode steps 0.56-0.79x; a Zen 4's had come near the memory's
-bandwidth without it. (Asking from the one-row tiles of the kernel for several rows left those
-rows' code the same, instruction for instruction, yet made int24 products of 128 rows 1.1-1.5x
-slower.)
+memory took 0.63-0.92x the time. With AVX-512 VNNI on an Intel Xeon they took 0.69-0.99x
+(int24) and 0.69-0.91x (int8), and whole decode steps 0.56-0.79x; a Zen 4's had come near the
+memory's bandwidth without it. (Asking from the one-row tiles of the kernel for several rows
+left those rows' code the same, instruction for instruction, yet made int24 products of 128
+rows 1.1-1.5x slower.)
 
 The integer sums are exact, and every activation row's float operations are the same whatever
 the tile size, so a row's products do not depend on the other rows beside it (batched passes
