@@ -263,9 +263,13 @@ class DeviceOps(block.Ops):
         """h (S, cols) @ W.T on the device, by the mat-vec kernel: a row's sums do not depend
         on the rows beside it, so a token gets the same bits alone, in a prompt or in a batch."""
         d = self.model.device_weights[w.name]
-        out = self.xp.empty((h.shape[0], d.rows), np.float32)
+        return self._matvec(d, h, self.xp.empty((h.shape[0], d.rows), np.float32))
+
+    def _matvec(self, d, h, out, **kw):
+        """`kernels.matvec` of the activation rows h with the device weight d (a `DeviceWeight`,
+        one or a fused group's) into out, on the model's stream; kw: its groups, act, add."""
         return K.matvec(d.kind, d.scales, d.quants, self.xp.ascontiguousarray(h), out, d.rows, d.cols,
-                        stream=self.stream)
+                        stream=self.stream, **kw)
 
     def _group(self, first: QWeight):
         """`first`'s fused group (`upload_all`): (a DeviceWeight of all its weights' rows, each
@@ -281,8 +285,7 @@ class DeviceOps(block.Ops):
             return None
         d, rows = group
         S, edges = h.shape[0], np.cumsum([0, *rows])
-        out = K.matvec(d.kind, d.scales, d.quants, self.xp.ascontiguousarray(h), self.xp.empty(S * d.rows, np.float32),
-                       d.rows, d.cols, groups=edges[1:-1], stream=self.stream)
+        out = self._matvec(d, h, self.xp.empty(S * d.rows, np.float32), groups=edges[1:-1])
         return [out[S * a:S * b].reshape(S, b - a) for a, b in zip(edges[:-1], edges[1:])]
 
     def qkv(self, L, h):
@@ -308,9 +311,8 @@ class DeviceOps(block.Ops):
         act = _ACTS[self.cfg.act]
         if group is not None:
             d, _ = group
-            out = self.xp.empty((h.shape[0], d.rows // 2), np.float32)
-            return K.matvec(d.kind, d.scales, d.quants, self.xp.ascontiguousarray(h), out, d.rows, d.cols,
-                            groups=(d.rows // 2,), act=act, stream=self.stream)
+            return self._matvec(d, h, self.xp.empty((h.shape[0], d.rows // 2), np.float32), groups=(d.rows // 2,),
+                                act=act)
         g, u = self.product(gate, h), self.product(up, h)
         return K.glu(g, u, self.xp.empty_like(g), act, stream=self.stream)
 
@@ -329,9 +331,7 @@ class DeviceOps(block.Ops):
         """Without a post-norm, the mat-vec adds its products to x itself (one launch)."""
         if w is not None:
             return super().add_product(x, W, h, w)
-        d = self.model.device_weights[W.name]
-        K.matvec(d.kind, d.scales, d.quants, self.xp.ascontiguousarray(h), x, d.rows, d.cols, add=True,
-                 stream=self.stream)
+        self._matvec(self.model.device_weights[W.name], h, x, add=True)
 
     def rope_attention(self, li, q, k, v, rope, window):
         """RoPE of q and k and the layer's cache write in one launch (the keys and values of
