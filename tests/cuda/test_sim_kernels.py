@@ -271,7 +271,6 @@ def test_store_kv(dtype, S):
     np.testing.assert_array_equal(kv, before)
 
 
-
 def test_a_gpus_block_shapes(monkeypatch):
     """The kernels with a GPU's block shapes (32 lanes a row or head, 4 rows of W a block: 2
     pairs of a GLU mat-vec), which the simulator otherwise shrinks to 4 lanes and 32 rows to
