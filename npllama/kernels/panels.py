@@ -490,6 +490,125 @@ class _Pairs:
         return self.acc
 
 
+_V16I, _V16F, _V64B = _vec(_I32, 16), _vec(_F32T, 16), _vec(_I8, 64)
+
+
+def _ir_scales(builder, pp, at, layout, has_m):
+    """The 16 rows' d, and their m or second d (_KINDS), of the panel block scales at byte `at` of `pp`."""
+    def f16(o):
+        return _ir_f16_vec(builder, _ir_load(builder, pp, builder.add(at, ir.Constant(at.type, o)),
+                                             _vec(_I16, 16), 1))
+
+    def byte(o, signed):  # a byte a row as float; its products with a float16 are exact in float32
+        b = _ir_load(builder, pp, builder.add(at, ir.Constant(at.type, o)), _vec(_I8, 16), 1)
+        return builder.sitofp(b, _V16F) if signed else builder.uitofp(b, _V16F)
+    if layout == "q6_k":  # d sc of each half
+        d = f16(0)
+        return builder.fmul(d, byte(32, True)), builder.fmul(d, byte(48, True))
+    if layout == "k":  # d sc and -dmin m
+        return builder.fmul(f16(0), byte(64, False)), builder.fneg(builder.fmul(f16(32), byte(80, False)))
+    return f16(0), (f16(32) if has_m else None)
+
+
+def _ir_move_bit(builder, h, frm, to):
+    """Bit `frm` of each byte of h (<64 x i8>) at bit `to`, the rest 0."""
+    # shifted as 32-bit lanes: the mask keeps of each byte only a bit that came from the
+    # same byte, and x86 has no byte shifts (LLVM made them GF2P8AFFINEQB, which Zen 4
+    # issues at half the rate of a dword shift)
+    w = builder.bitcast(h, _V16I)
+    w = (builder.lshr(w, _const_vec(_I32, 16, frm - to)) if frm > to else
+         builder.shl(w, _const_vec(_I32, 16, to - frm)) if frm < to else w)
+    return builder.and_(builder.bitcast(w, _V64B), _const_vec(_I8, 64, 1 << to))
+
+
+def _ir_nibble(builder, v, i):
+    """The low (i 0) or high (1) nibbles of v's bytes."""
+    return builder.lshr(v, _const_vec(_I8, 64, 4)) if i else builder.and_(v, _const_vec(_I8, 64, 15))
+
+
+def _ir_parts(builder, kind, pp, ob, k):
+    """Group k of the panel block at byte `ob` of `pp`: its unsigned weights as [(64 bytes,
+    the block's column of their first element)]: bytes 4r..4r+3 are row r's elements col..col+3."""
+    _, _, groups, _, _, _, _, bits, _ = _KINDS[kind]
+    c = lambda v: ir.Constant(ob.type, v)  # noqa: E731
+    v = _ir_load(builder, pp, builder.add(ob, c(64 * k)), _V64B, 1)
+    if groups == 8:  # one element a byte
+        return [(v, 4 * k)]
+    ps = [_ir_nibble(builder, v, 0), _ir_nibble(builder, v, 1)]
+    for j in range(bits):  # bit 4 + j of the low nibbles' elements is bit k of h, the high's 4 + k
+        h = _ir_load(builder, pp, builder.add(ob, c(64 * (groups + j))), _V64B, 1)
+        ps = [builder.or_(ps[i], _ir_move_bit(builder, h, 4 * i + k, 4 + j)) for i in range(2)]
+    return [(ps[0], 4 * k), (ps[1], 16 + 4 * k)]
+
+
+def _ir_finish(builder, kind, arrays, P, r, b, sums, dw, mw, acc):
+    """*acc (<16 x float>) += activation row r's products with block b of the panel's 16 rows,
+    from `sums[p]`: plane p's integer sums, one for each half of the block where the kind's
+    halves have their own scale, else one (the module's docstring). Every kernel takes a
+    block's sums to floats by this one sequence of operations, so a row's products are the
+    same bits whichever kernel made its integer sums."""
+    _, _, _, _, bias, has_m, _, _, halves = _KINDS[kind]
+    _, _, dp, sp, ip, _, n, _ = arrays
+    c = lambda v: ir.Constant(n.type, v)  # noqa: E731
+    nb = builder.sdiv(n, c(32))
+    at = builder.add(builder.mul(r, nb), b)
+    # per plane: the sums of x that take the bias off (xi's half-block sums: row r plane p at (P r + p) 2 nb)
+    xis = []
+    for p in range(P):
+        ai = builder.add(builder.mul(builder.add(builder.mul(r, c(P)), c(p)), nb), b)
+        xi = [_ir_load(builder, ip, builder.add(builder.add(ai, ai), c(h)), _I32, 4) for h in range(2)]
+        xis.append(xi if halves else [builder.add(xi[0], xi[1])])
+    if P == 3:  # int24: planes 2 and 3 as one integer, 256 s2 + s3 (below 2^29)
+        sh = _const_vec(_I32, 16, 8)
+        sums = [sums[0], [builder.add(builder.shl(s2, sh), s3) for s2, s3 in zip(sums[1], sums[2])]]
+        xis = [xis[0], [builder.add(builder.shl(x2, ir.Constant(_I32, 8)), x3) for x2, x3 in zip(xis[1], xis[2])]]
+    if bias:
+        sums = [[builder.sub(s, _ir_splat(builder, builder.mul(x, ir.Constant(_I32, bias)), 16))
+                 for s, x in zip(ss, xx)] for ss, xx in zip(sums, xis)]
+    fs = [builder.sitofp(s, _V16F) for s in sums[0]]
+    if P == 3:  # 65536 f1 + float(256 s2 + s3)
+        fs = [_ir_call(builder, "llvm.fma.v16f32", _V16F,
+                       [f1, _const_vec(_F32T, 16, 65536.0), builder.sitofp(s23, _V16F)])
+              for f1, s23 in zip(fs, sums[1])]
+    a = builder.load(acc)
+    dx = _ir_splat(builder, _ir_load(builder, dp, at, _F32T, 4), 16)
+    for j, f in enumerate(fs):
+        scale = builder.fmul(mw if j else dw, dx)
+        a = _ir_call(builder, "llvm.fma.v16f32", _V16F, [f, scale, a])
+    if has_m:
+        sx = _ir_splat(builder, _ir_load(builder, sp, at, _F32T, 4), 16)
+        a = _ir_call(builder, "llvm.fma.v16f32", _V16F, [mw, sx, a])
+    builder.store(a, acc)
+
+
+def _panel_arrays(context, builder, sig, args):
+    """The kernels' arguments (code, panel, xr, tmp) as (code, P, T, arrays): P the planes (1
+    int8, 3 int24), T the activation rows, arrays (panel, xq, xd, xs, xi, tmp pointers, n, the
+    panel's bytes)."""
+    code = context.cast(builder, args[0], sig.args[0], types.intp)
+    xr = cgutils.unpack_tuple(builder, args[2])
+    arrs = ([context.make_array(sig.args[1])(context, builder, args[1])]
+            + [context.make_array(ty)(context, builder, a) for ty, a in zip(sig.args[2], xr)]
+            + [context.make_array(sig.args[3])(context, builder, args[3])])
+    nd = sig.args[2][0].ndim
+    n = builder.extract_value(arrs[1].shape, nd - 1)
+    arrays = [a.data for a in arrs] + [n, builder.extract_value(arrs[0].shape, 0)]
+    return code, (1 if nd == 2 else 3), builder.extract_value(arrs[1].shape, 0), arrays
+
+
+def _panel_args(code, panel, xr, tmp) -> bool:
+    """Whether a micro-kernel takes these types: an integer code, a C-contiguous uint8 panel,
+    the activation rows xr (xq, xd, xs, xi) in int8 (xq and xi 2-D) or int24 blocks (3-D: the
+    planes), and tmp (T, 16) float32."""
+    if not (isinstance(xr, types.BaseTuple) and len(xr) == 4 and isinstance(xr[0], types.Array)):
+        return False
+    nd = xr[0].ndim
+    return (isinstance(code, types.Integer) and _is_c_array(panel, types.uint8) and nd in (2, 3)
+            and _is_c_array(xr[0], types.int8, nd) and _is_c_array(xr[1], types.float32, 2)
+            and _is_c_array(xr[2], types.float32, 2) and _is_c_array(xr[3], types.int32, nd)
+            and _is_c_array(tmp, types.float32, 2))
+
+
 def _make_panel_dots(isa: str, one_row: bool = False):
     """The micro-kernels for `isa` (see quants_int8._dot_isa), an intrinsic ``panel_dots(code,
     panel, xr, tmp)``: tmp[t, i] = dot(row i of the panel, x_t) for every activation row t
@@ -497,31 +616,6 @@ def _make_panel_dots(isa: str, one_row: bool = False):
     rows in int8 or int24 blocks (4 arrays, the module's docstring). With `one_row`, for
     one activation row (the decode step's): tiles of one row, which prefetch the next panel
     (the module's docstring)."""
-    v16i, v16f, v64b = _vec(_I32, 16), _vec(_F32T, 16), _vec(_I8, 64)
-
-    def scales(builder, pp, at, layout, has_m):  # the 16 rows' d, and their m or second d (_KINDS)
-        def f16(o):
-            return _ir_f16_vec(builder, _ir_load(builder, pp, builder.add(at, ir.Constant(at.type, o)),
-                                                 _vec(_I16, 16), 1))
-
-        def byte(o, signed):  # a byte a row as float; its products with a float16 are exact in float32
-            b = _ir_load(builder, pp, builder.add(at, ir.Constant(at.type, o)), _vec(_I8, 16), 1)
-            return builder.sitofp(b, v16f) if signed else builder.uitofp(b, v16f)
-        if layout == "q6_k":  # d sc of each half
-            d = f16(0)
-            return builder.fmul(d, byte(32, True)), builder.fmul(d, byte(48, True))
-        if layout == "k":  # d sc and -dmin m
-            return builder.fmul(f16(0), byte(64, False)), builder.fneg(builder.fmul(f16(32), byte(80, False)))
-        return f16(0), (f16(32) if has_m else None)
-
-    def move_bit(builder, h, frm, to):  # bit `frm` of each byte of h (<64 x i8>) at bit `to`, the rest 0
-        # shifted as 32-bit lanes: the mask keeps of each byte only a bit that came from the
-        # same byte, and x86 has no byte shifts (LLVM made them GF2P8AFFINEQB, which Zen 4
-        # issues at half the rate of a dword shift)
-        w = builder.bitcast(h, v16i)
-        w = (builder.lshr(w, _const_vec(_I32, 16, frm - to)) if frm > to else
-             builder.shl(w, _const_vec(_I32, 16, to - frm)) if frm < to else w)
-        return builder.and_(builder.bitcast(w, v64b), _const_vec(_I8, 64, 1 << to))
 
     def tile(builder, kind, arrays, t0, tt, P):  # tmp[t0 + t, :] for t < tt, int8 (P 1) or int24 (P 3) x
         _, _, groups, pbs, bias, has_m, layout, bits, halves = _KINDS[kind]
@@ -529,12 +623,10 @@ def _make_panel_dots(isa: str, one_row: bool = False):
         nb = builder.sdiv(n, ir.Constant(n.type, 32))
         c = lambda v: ir.Constant(n.type, v)  # noqa: E731
         rows = [builder.add(t0, c(t)) for t in range(tt)]
-        # xrow[p][t]: plane p of row t's x; xi's half-block sums: row r plane p at (P r + p) 2 nb
+        # xrow[p][t]: plane p of row t's x
         xrow = [[builder.bitcast(builder.gep(qp, [builder.mul(builder.add(builder.mul(r, c(P)), c(p)), n)]),
                                  _I8.as_pointer()) for r in rows] for p in range(P)]
-        brow = [builder.mul(r, nb) for r in rows]
-        irow = [[builder.mul(builder.add(builder.mul(r, c(P)), c(p)), nb) for r in rows] for p in range(P)]
-        acc = [cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for _ in range(tt)]
+        acc = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * 16)) for _ in range(tt)]
         # whether this tile prefetches the next panel (the docstring)
         ahead = builder.icmp_signed("<", t0, c(_PREFETCH_ROWS)) if tt > 1 or one_row else None
         with cgutils.for_range(builder, nb) as loop:
@@ -548,22 +640,9 @@ def _make_panel_dots(isa: str, one_row: bool = False):
 
             def x4(t, col, p):  # the 4 bytes of plane p of row t's x from column 32 b + col, in every lane
                 w = _ir_load(builder, xrow[p][t], builder.add(xo, c(col)), _I32, 1)
-                return builder.bitcast(_ir_splat(builder, w, 16), v64b)
+                return builder.bitcast(_ir_splat(builder, w, 16), _V64B)
 
-            def nibble(v, i):  # the low (i 0) or high (1) nibbles of v's bytes
-                return builder.lshr(v, _const_vec(_I8, 64, 4)) if i else builder.and_(v, _const_vec(_I8, 64, 15))
-
-            def parts(k):  # group k's unsigned weights as [(64 bytes, x's column of their first)]
-                v = _ir_load(builder, pp, builder.add(ob, c(64 * k)), v64b, 1)
-                if groups == 8:  # one element a byte
-                    return [(v, 4 * k)]
-                ps = [nibble(v, 0), nibble(v, 1)]
-                for j in range(bits):  # bit 4 + j of the low nibbles' elements is bit k of h, the high's 4 + k
-                    h = _ir_load(builder, pp, builder.add(ob, c(64 * (groups + j))), v64b, 1)
-                    ps = [builder.or_(ps[i], move_bit(builder, h, 4 * i + k, 4 + j)) for i in range(2)]
-                return [(ps[0], 4 * k), (ps[1], 16 + 4 * k)]
-
-            dw, mw = scales(builder, pp, builder.add(ob, c(64 * (groups + bits))), layout, has_m)
+            dw, mw = _ir_scales(builder, pp, builder.add(ob, c(64 * (groups + bits))), layout, has_m)
             # the integer sums: one a half (Q6_K), else one a block, in two chains in a tile of
             # one row of int8, whose one chain would wait on each dot's latency (a tile of 4
             # rows, or int24's planes, have independent chains already; AVX2's chains of i16
@@ -573,12 +652,13 @@ def _make_panel_dots(isa: str, one_row: bool = False):
                 umax = (16 << bits) - 1  # the largest unsigned weight a dot meets (a Q8_0 byte's nibbles: 15)
                 pairs = [[[_Pairs(builder, umax) for _ in range(tt)] for _ in range(nsum)] for _ in range(P)]
             else:
-                isum = [[[ir.Constant(v16i, [0] * 16)] * tt for _ in range(nsum)] for _ in range(P)]
+                isum = [[[ir.Constant(_V16I, [0] * 16)] * tt for _ in range(nsum)] for _ in range(P)]
             for k in range(groups):
-                for half, (u, col) in enumerate(parts(k)):
+                for half, (u, col) in enumerate(_ir_parts(builder, kind, pp, ob, k)):
                     j = (half if groups == 4 else k) % nsum
                     # AVX2: a Q8_0 byte as its two nibbles, the high one's sums times 16
-                    us = [(nibble(u, 0), 1), (nibble(u, 1), 16)] if isa == "avx2" and groups == 8 else [(u, 1)]
+                    us = ([(_ir_nibble(builder, u, 0), 1), (_ir_nibble(builder, u, 1), 16)]
+                          if isa == "avx2" and groups == 8 else [(u, 1)])
                     for p in range(P):
                         for t in range(tt):
                             xv = x4(t, col, p)
@@ -590,54 +670,16 @@ def _make_panel_dots(isa: str, one_row: bool = False):
             if isa == "avx2":
                 isum = [[[pr.flush() for pr in chain] for chain in plane] for plane in pairs]
             for t in range(tt):
-                at = builder.add(brow[t], b)
-                # per plane: the block's (or each half's) integer sums, and the sums of x that
-                # take their bias off
-                xis = []
-                for p in range(P):
-                    ai = builder.add(irow[p][t], b)
-                    xi = [_ir_load(builder, ip, builder.add(builder.add(ai, ai), c(h)), _I32, 4) for h in range(2)]
-                    xis.append(xi if halves else [builder.add(xi[0], xi[1])])
                 sums = [[isum[p][j][t] for j in range(2)] if halves else
                         [isum[p][0][t] if nsum == 1 else builder.add(isum[p][0][t], isum[p][1][t])]
                         for p in range(P)]
-                if P == 3:  # int24: planes 2 and 3 as one integer, 256 s2 + s3 (below 2^29)
-                    sh = _const_vec(_I32, 16, 8)
-                    sums = [sums[0], [builder.add(builder.shl(s2, sh), s3) for s2, s3 in zip(sums[1], sums[2])]]
-                    xis = [xis[0], [builder.add(builder.shl(x2, ir.Constant(_I32, 8)), x3)
-                                    for x2, x3 in zip(xis[1], xis[2])]]
-                if bias:
-                    sums = [[builder.sub(s, _ir_splat(builder, builder.mul(x, ir.Constant(_I32, bias)), 16))
-                             for s, x in zip(ss, xx)] for ss, xx in zip(sums, xis)]
-                fs = [builder.sitofp(s, v16f) for s in sums[0]]
-                if P == 3:  # 65536 f1 + float(256 s2 + s3)
-                    fs = [_ir_call(builder, "llvm.fma.v16f32", v16f,
-                                   [f1, _const_vec(_F32T, 16, 65536.0), builder.sitofp(s23, v16f)])
-                          for f1, s23 in zip(fs, sums[1])]
-                a = builder.load(acc[t])
-                dx = _ir_splat(builder, _ir_load(builder, dp, at, _F32T, 4), 16)
-                for j, f in enumerate(fs):
-                    scale = builder.fmul(mw if j else dw, dx)
-                    a = _ir_call(builder, "llvm.fma.v16f32", v16f, [f, scale, a])
-                if has_m:
-                    a = _ir_call(builder, "llvm.fma.v16f32", v16f,
-                                 [mw, _ir_splat(builder, _ir_load(builder, sp, at, _F32T, 4), 16), a])
-                builder.store(a, acc[t])
+                _ir_finish(builder, kind, arrays, P, rows[t], b, sums, dw, mw, acc[t])
         for t in range(tt):
-            ptr = builder.bitcast(builder.gep(tmp, [builder.mul(rows[t], c(PANEL))]), v16f.as_pointer())
+            ptr = builder.bitcast(builder.gep(tmp, [builder.mul(rows[t], c(PANEL))]), _V16F.as_pointer())
             builder.store(builder.load(acc[t]), ptr, align=4)
 
     def codegen(context, builder, sig, args):
-        code = context.cast(builder, args[0], sig.args[0], types.intp)
-        xr = cgutils.unpack_tuple(builder, args[2])
-        arrs = ([context.make_array(sig.args[1])(context, builder, args[1])]
-                + [context.make_array(ty)(context, builder, a) for ty, a in zip(sig.args[2], xr)]
-                + [context.make_array(sig.args[3])(context, builder, args[3])])
-        nd = sig.args[2][0].ndim
-        P = 1 if nd == 2 else 3  # int8: (T, n) values; int24: (T, 3, n), three planes
-        n = builder.extract_value(arrs[1].shape, nd - 1)
-        T = builder.extract_value(arrs[1].shape, 0)
-        arrays = [a.data for a in arrs] + [n, builder.extract_value(arrs[0].shape, 0)]
+        code, P, T, arrays = _panel_arrays(context, builder, sig, args)
         c = lambda v: ir.Constant(T.type, v)  # noqa: E731
         for qt, kind in _CODES.items():
             with builder.if_then(builder.icmp_signed("==", code, ir.Constant(code.type, qt))):
@@ -649,17 +691,9 @@ def _make_panel_dots(isa: str, one_row: bool = False):
                     done = builder.add(done, builder.mul(count, c(tt)))
         return context.get_dummy_value()
 
-    def activations(xr):  # (xq, xd, xs, xi): int8 (xq and xi 2-D) or int24 (3-D: the planes)
-        if not (isinstance(xr, types.BaseTuple) and len(xr) == 4 and isinstance(xr[0], types.Array)):
-            return False
-        nd = xr[0].ndim
-        return (nd in (2, 3) and _is_c_array(xr[0], types.int8, nd) and _is_c_array(xr[1], types.float32, 2)
-                and _is_c_array(xr[2], types.float32, 2) and _is_c_array(xr[3], types.int32, nd))
-
     @intrinsic
     def panel_dots(typingctx, code, panel, xr, tmp):
-        if not (isinstance(code, types.Integer) and _is_c_array(panel, types.uint8) and activations(xr)
-                and _is_c_array(tmp, types.float32, 2)):
+        if not _panel_args(code, panel, xr, tmp):
             return None
         return types.none(code, panel, xr, tmp), codegen
 
