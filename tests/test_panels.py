@@ -16,6 +16,8 @@ from test_quants_int8 import full_range_weight, ref_quantize, runnable_isas
 
 TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
 MODES = [True, False]  # int8 activations, int24 ones (the exact mode)
+# "amx": the tiles of 16 rows by AMX, the rest by the vpdpbusd kernel (`_panel_dots_many`)
+ISAS = runnable_isas() + (["amx"] if P.AMX else [])
 _KERNELS = {}
 
 
@@ -30,9 +32,11 @@ def cols(qtype, blocks):
 
 def panel_kernel(isa, one_row=False):
     """njit (code, pw, rows, xr, out): `_matmul_panels` with the micro-kernels of `isa`
-    (serial, not cached; `one_row`: the kernel for one activation row)."""
+    (serial, not cached; `one_row`: the kernel for one activation row; "amx": AMX's tiles of
+    16 rows, then the vpdpbusd kernel's)."""
     if (isa, one_row) not in _KERNELS:
-        dots, W = P._make_panel_dots(isa, one_row), P.PANEL
+        dots = P._panel_dots_many if isa == "amx" else P._make_panel_dots(isa, one_row)
+        W = P.PANEL
 
         @njit
         def run(code, pw, rows, xr, out):
@@ -64,14 +68,14 @@ def assert_close(out, data, qtype, rows, x, int8):
 
 
 @pytest.mark.parametrize("int8", MODES, ids=mode_id)
-@pytest.mark.parametrize("isa", runnable_isas())
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_products_every_isa(isa, qtype, int8):
     """int8 and int24 activations with each instruction set, a block of outliers (x100) in row 0;
     one activation row also by the kernel for one row (the decode step's)."""
     rng = np.random.default_rng(int(qtype))
     for rows, blocks, T in ((1, 1, 1), (16, 1, 4), (17, 2, 5), (37, 3, 9), (5, 18, 3), (33, 7, 13), (20, 2, 29),
-                            (40, 9, 1)):
+                            (40, 9, 1), (3, 1, 16), (18, 5, 48)):
         data = full_range_weight(qtype, rows, blocks, rng)
         x = rng.normal(size=(T, cols(qtype, blocks))).astype(np.float32)
         x[0, :32] *= 100.0
@@ -95,7 +99,7 @@ def handmade_rows(digits, d):
 
 
 @pytest.mark.parametrize("int8", MODES, ids=mode_id)
-@pytest.mark.parametrize("isa", runnable_isas())
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_largest_integer_sums_every_isa(isa, qtype, int8):
     """Every quant at its largest (all bytes 0xFF; Q8_0 0x7F) or other extremes (0x00, 0x80)
@@ -112,11 +116,11 @@ def test_largest_integer_sums_every_isa(isa, qtype, int8):
     digits = [[127], [-127], [127], [-127]] if int8 else [[126, 127, 127], [-126, -128, -128], [126, -128, -128],
                                                            [-126, 127, 127]]
     d = np.array([[0.5], [0.25], [2.0 ** -10], [3.0]], np.float32) * np.ones((1, cols(qtype, blocks) // 32), np.float32)
-    xr, x = handmade_rows(digits, d)
+    xr, x = handmade_rows(digits * 4, np.tile(d, (4, 1)))  # 16 rows: AMX's tile
     pw, w = P.pack_panels(data, qtype), gguf.quants.dequantize(data, qtype).reshape(3, -1).astype(np.float64)
     assert np.isfinite(w).all()
-    # a tile of 4 rows, then each row alone: in a tile of one, and by the kernel for one row
-    for rows, one_row in ((slice(0, 4), False), *((slice(t, t + 1), one) for t in range(4) for one in (False, True))):
+    # all 16 rows, then each row alone: in a tile of one, and by the kernel for one row
+    for rows, one_row in ((slice(0, 16), False), *((slice(t, t + 1), one) for t in range(4) for one in (False, True))):
         out = np.full((rows.stop - rows.start, 3), np.nan, np.float32)
         panel_kernel(isa, one_row)(int(qtype), pw, 3, tuple(a[rows] for a in xr), out)
         np.testing.assert_array_less(np.abs(out - x[rows] @ w.T), 2e-6 * (np.abs(x[rows]) @ np.abs(w).T) + 1e-30)
@@ -153,6 +157,35 @@ def test_rows_do_not_depend_on_their_neighbours(qtype, int8):
         np.testing.assert_array_equal(P.matmul_panels(pw, qtype, rows, x[:t + 1], int8=int8), together[:t + 1])
     for a, b in ((3, 10), (2, 14), (1, 6), (4, 20), (5, 21)):
         np.testing.assert_array_equal(P.matmul_panels(pw, qtype, rows, x[a:b], int8=int8), together[a:b])
+
+
+@pytest.mark.skipif(not P.AMX, reason="no AMX-INT8 on this CPU (or Linux did not grant this process its tiles)")
+@pytest.mark.parametrize("int8", MODES, ids=mode_id)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_amx_tiles_are_the_vpdpbusd_kernels_bits(qtype, int8):
+    """AMX's kernel computes the tiles of 16 rows, the same bits as the vpdpbusd kernel, and
+    leaves the rows after them as they were."""
+    rng = np.random.default_rng(7)
+    rows, blocks, T = 16, 3, 37
+    data = full_range_weight(qtype, rows, blocks, rng)
+    pw = P.pack_panels(data, qtype)
+    xr = P.activation_rows(rng.normal(size=(T, cols(qtype, blocks))).astype(np.float32), int8)
+    amx = P._make_panel_dots_amx()
+
+    @njit
+    def run(code, panel, xr, tmp, wb):
+        amx(code, panel, xr, tmp, wb)
+
+    out = np.full((T, 16), np.nan, np.float32)
+    run(int(qtype), pw[0], xr, out, np.empty(16 * xr[0].shape[-1], np.uint8))
+    ref = np.empty((T, 16), np.float32)
+    panel_kernel(P.DOT_ISA)(int(qtype), pw, rows, xr, ref)
+    np.testing.assert_array_equal(out[:32], ref[:32])
+    assert np.isnan(out[32:]).all()
+
+
+def test_amx_needs_its_features():
+    assert not P._amx_ready({"avx512vnni", "avx512vl", "avx512bw", "amx-tile"})
 
 
 def test_quantize_rows_as_the_decode_step():
