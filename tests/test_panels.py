@@ -170,7 +170,7 @@ def test_amx_tiles_are_the_vpdpbusd_kernels_bits(qtype, int8):
     data = full_range_weight(qtype, rows, blocks, rng)
     pw = P.pack_panels(data, qtype)
     xr = P.activation_rows(rng.normal(size=(T, cols(qtype, blocks))).astype(np.float32), int8)
-    amx = P._make_panel_dots_amx()
+    amx = P._panel_dots_amx
 
     @njit
     def run(code, panel, xr, tmp, wb):

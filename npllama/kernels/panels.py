@@ -91,7 +91,8 @@ Njit level (C-contiguous arrays, nothing raises):
 * ``xr``, the activation rows as the products take them: ``(xq, xd, xs, xi)``, int8 (xq (T,
   n), xi (T, n // 16)) or int24 (xq (T, 3, n), xi (T, 3, n // 16): the planes).
 * ``_panel_rows(code, pw, p, xr, tmp)``: tmp[t, :] = the 16 products of panel p with every
-  activation row t (tmp: (T, 16) float32), by the micro-kernel ``_panel_dots``.
+  activation row t (tmp: (T, 16) float32), by the micro-kernel ``_panel_dots_one`` (one row)
+  or ``_panel_dots_many`` (``_panel_dots``, after AMX's tiles where the CPU has them).
 * ``_matmul_panels``, ``_qkv_panels``, ``_gate_up_panels``: the products, parallel over panels.
 
 Python level: ``has_panels(qtype)``, ``panel_shape(qtype, rows, cols)``, ``pack_panels(data,
@@ -630,8 +631,8 @@ def _make_panel_dots(isa: str, one_row: bool = False):
     (the module's docstring)."""
 
     def tile(builder, kind, arrays, t0, tt, P):  # tmp[t0 + t, :] for t < tt, int8 (P 1) or int24 (P 3) x
-        _, _, groups, pbs, bias, has_m, layout, bits, halves = _KINDS[kind]
-        pp, qp, dp, sp, ip, tmp, n, panel_bytes = arrays
+        _, _, groups, pbs, _, has_m, layout, bits, halves = _KINDS[kind]
+        pp, qp, _, _, _, tmp, n, panel_bytes = arrays
         nb = builder.sdiv(n, ir.Constant(n.type, 32))
         c = lambda v: ir.Constant(n.type, v)  # noqa: E731
         rows = [builder.add(t0, c(t)) for t in range(tt)]
