@@ -1,10 +1,13 @@
 """Numba's cache is keyed by all of npllama's sources: an edit to a callee's file must not
 leave a caller's stale machine code in use."""
+import os
 import pathlib
+import subprocess
+import sys
 
 from numba.core.caching import FunctionCache
 
-from npllama.kernels import cachestamp, quants
+from npllama.kernels import cachestamp, cpu, quants
 from npllama.engine import decode
 
 
@@ -16,7 +19,17 @@ def test_npllama_kernels_carry_the_package_stamp():
     for kernel in (quants._block_sums, decode._decode_step):
         loc = locator_of(kernel.py_func)
         assert isinstance(loc, cachestamp._PackageStamp)
-        assert loc.get_source_stamp() == cachestamp.package_stamp()
+        assert loc.get_source_stamp() == cachestamp.source_stamp()
+
+
+def test_the_stamp_holds_the_amx_choice():
+    """Compiled panel products differ with cpu.AMX, which Numba's key does not hold:
+    $NPLLAMA_AMX=0 turns AMX off, and the kernels' stamp with it."""
+    assert cachestamp.source_stamp() == cachestamp.package_stamp() + (" amx" if cpu.AMX else "")
+    code = "from npllama.kernels import cachestamp, cpu; print(cpu.AMX, cachestamp.source_stamp())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "NPLLAMA_AMX": "0"}, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == ["False", cachestamp.package_stamp()]
 
 
 def test_functions_outside_npllama_keep_numbas_own_stamp():
@@ -24,7 +37,7 @@ def test_functions_outside_npllama_keep_numbas_own_stamp():
         return x + 1
     loc = locator_of(here)
     assert not isinstance(loc, cachestamp._PackageStamp)
-    assert loc.get_source_stamp() != cachestamp.package_stamp()
+    assert loc.get_source_stamp() not in (cachestamp.package_stamp(), cachestamp.source_stamp())
 
 
 def test_the_stamp_changes_with_any_file_and_only_then(tmp_path):

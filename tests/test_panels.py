@@ -9,7 +9,7 @@ from gguf.constants import GGML_QUANT_SIZES
 import gguf.quants
 from numba import njit
 
-from npllama.kernels import panels as P
+from npllama.kernels import cpu, panels as P
 from npllama.kernels.nn import ACTS
 from test_quants import SCALE_OFFSETS
 from test_quants_int8 import full_range_weight, ref_quantize, runnable_isas
@@ -185,7 +185,7 @@ def test_amx_tiles_are_the_vpdpbusd_kernels_bits(qtype, int8):
 
 
 def test_amx_needs_its_features():
-    assert not P._amx_ready({"avx512vnni", "avx512vl", "avx512bw", "amx-tile"})
+    assert not cpu.amx_ready({"avx512vnni", "avx512vl", "avx512bw", "amx-tile"})
 
 
 def test_quantize_rows_as_the_decode_step():

@@ -11,7 +11,7 @@ from gguf.constants import GGML_QUANT_SIZES
 import gguf.quants
 from numba import njit
 
-from npllama.kernels import quants
+from npllama.kernels import cpu, quants
 from npllama.kernels import quants_int8 as qi
 from npllama.kernels.threads import using_threads
 from test_products import small_scale_bits, weight
@@ -170,7 +170,7 @@ def test_quantize_input_checks():
 # ---------------------------------------------------------------------------------------
 
 def runnable_isas():
-    f = qi._target_features()
+    f = cpu.target_features()
     isas = ["generic"]
     if "avx2" in f:
         isas.append("avx2")
@@ -333,7 +333,7 @@ def test_row_dot_layouts(group, n_acc, hadd):
 
 
 def test_module_dots_are_the_selected_isa():
-    assert qi.DOT_ISA == qi._dot_isa(qi._target_features()) == runnable_isas()[-1]
+    assert qi.DOT_ISA == qi._dot_isa(cpu.target_features()) == runnable_isas()[-1]
     assert qi.VNNI == qi.DOT_ISA.startswith("vnni")
 
     @njit
@@ -524,7 +524,7 @@ def test_dot_isa_selection():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(qi._target_features() == set() or "avx2" not in qi._target_features(),
+@pytest.mark.skipif(cpu.target_features() == set() or "avx2" not in cpu.target_features(),
                     reason="needs an x86 host with AVX2")
 @pytest.mark.parametrize("drop, isa", [(("avx512", "vnni"), "avx2"), (("avx512", "vnni", "avx2", "f16c"), "generic")])
 def test_non_vnni_target_in_subprocess(tmp_path, drop, isa):

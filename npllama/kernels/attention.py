@@ -48,7 +48,7 @@ from numba.extending import intrinsic
 from .f16 import _ld, _ld_row, bits
 from .nn import _exp, _ir_exp
 from .quants import _F32T, _HW_F16, _IR_FLAGS, _ir_call, _ir_hsum, _ir_load, _ir_splat, _is_c_array, _shuffle, _vec
-from .quants_int8 import _FEATURES
+from .cpu import FEATURES
 
 # No 'nnan' / 'ninf': the kernels rely on -inf for removed keys and empty running maxima.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp", "afn"}
@@ -295,7 +295,7 @@ def _make_add_rows(cols: int):
 # accumulators (16 lanes each) fit AVX-512's 32 vector registers at 16 keys and 64 columns;
 # with AVX2's 16 registers of half the width LLVM spilled those, and 4 keys and 32 columns
 # ran a 4,000-token prompt's attention in 0.72-0.76x the time (bench/RESULTS.md)
-_WIDE = "avx512f" in _FEATURES
+_WIDE = "avx512f" in FEATURES
 _score_rows = _make_score_rows(16 if _WIDE else 4)
 _add_rows = _make_add_rows(64 if _WIDE else 32)
 

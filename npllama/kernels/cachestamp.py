@@ -5,8 +5,9 @@ kernels it calls from other files (the fused decode step calls the quant dots of
 and reads their constants, so after an edit to a callee's file Numba would load the caller's
 stale machine code. The locators here give every npllama function one source stamp, the hash
 of every npllama file that imports Numba: an edit to any of them recompiles all kernels once,
-and an edit elsewhere (the CLI, the text API) recompiles nothing. Functions outside npllama
-keep Numba's own stamp.
+and an edit elsewhere (the CLI, the text API) recompiles nothing. The stamp also holds the
+choices made at import that compiled code reads and Numba's key does not (`source_stamp`).
+Functions outside npllama keep Numba's own stamp.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import hashlib
 import pathlib
 
 from numba.core import caching
+
+from .cpu import AMX
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent  # the npllama package
 
@@ -33,6 +36,14 @@ def package_stamp(root: pathlib.Path = ROOT) -> str:
     return h.hexdigest()
 
 
+def source_stamp() -> str:
+    """Every npllama kernel's stamp: `package_stamp()`, and the import-time choices that
+    compiled code reads and Numba's key (the CPU's name and features) does not hold: whether
+    the panel products use AMX tiles (cpu.AMX, which depends on Linux granting the tiles and
+    on $NPLLAMA_AMX too). A process that chose otherwise recompiles."""
+    return package_stamp() + (" amx" if AMX else "")
+
+
 _stamp: str | None = None
 
 
@@ -42,7 +53,7 @@ class _PackageStamp:
     def get_source_stamp(self):
         global _stamp
         if _stamp is None:
-            _stamp = package_stamp()
+            _stamp = source_stamp()
         return _stamp
 
     @classmethod

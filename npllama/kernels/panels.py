@@ -73,7 +73,8 @@ ones with AVX-VNNI, vpmaddubsw with AVX2 (its i16 pair sums added up in i16 whil
 overflow, then widened by one vpmaddwd; a Q8_0 byte as two nibbles), else portable IR
 (widening multiplies; `_make_panel_dots(isa)` builds any).
 
-With AMX-INT8 (an Intel Xeon since Sapphire Rapids; `AMX`), each tile of 16 activation rows
+With AMX-INT8 (an Intel Xeon since Sapphire Rapids; cpu.AMX, which $NPLLAMA_AMX=0
+turns off), each tile of 16 activation rows
 takes one tdpbsud a block (a half of one for Q6_K) and plane, on a tile of the 16 rows' x and
 one of the panel's weights put together as bytes (`_make_panel_dots_amx`); the rows after
 the last such tile take the vpdpbusd kernel. The integer sums are the same, and one routine
@@ -101,9 +102,7 @@ and ``matmul_panels(panels, qtype, rows, x, int8=True)``.
 """
 from __future__ import annotations
 
-import ctypes
 import math
-import sys
 
 import numpy as np
 from llvmlite import ir
@@ -114,7 +113,8 @@ from numba.extending import intrinsic, overload
 from .nn import _glu1
 from .quants import (_F32T, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q4_K, _Q5_0, _Q5_1, _Q5_K, _Q6_K, _Q8_0, _const_vec,
                      _ir_call, _ir_load, _ir_prefetch, _ir_splat, _is_c_array, _shuffle, _vec)
-from .quants_int8 import _FEATURES, DOT_ISA, _ir_f16_vec, _quantize_x_q8
+from .cpu import AMX
+from .quants_int8 import DOT_ISA, _ir_f16_vec, _quantize_x_q8
 
 __all__ = ["PANEL", "has_panels", "panel_shape", "pack_panels", "quantize_rows", "quantize_rows_i24", "activation_rows",
            "matmul_panels"]
@@ -720,22 +720,6 @@ _panel_dots_one = _make_panel_dots(DOT_ISA, one_row=True)
 # ---------------------------------------------------------------------------------------
 # AMX
 # ---------------------------------------------------------------------------------------
-
-def _amx_ready(features) -> bool:
-    """Whether the panel products of many rows may use AMX: the target has AMX-INT8 (which
-    LLVM reports only where the OS saves the tiles' state), and Linux lets this process use the
-    tile data (arch_prctl ARCH_REQ_XCOMP_PERM, once for all its threads; an instruction on
-    tiles faults without it). Numba's cache keys on the CPU's features, not on this answer: a
-    process refused the tiles (a seccomp filter on arch_prctl) must not share a cache with one
-    granted them."""
-    if not {"amx-tile", "amx-int8"} <= features or not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-
-
-AMX: bool = _amx_ready(_FEATURES)
-"""Whether the panel products of 16 activation rows or more use AMX tiles (`_make_panel_dots_amx`)."""
 
 _UNPACK_AHEAD = 2  # blocks: the first tile puts the weights together this far ahead of their tdpbsud
 _C_TILES, _A_TILE, _B_TILE = 0, 3, 6  # the tile registers: the sums (one a plane, or a plane's half), x, weights

@@ -56,32 +56,21 @@ unsigned x signed instructions as |w| x (q * sign(w)), as llama.cpp does.
 from __future__ import annotations
 
 import math
-import platform
 
-import llvmlite.binding as llvm
 import numpy as np
 from gguf.constants import GGMLQuantizationType as QT
 from llvmlite import ir
-from numba import config as numba_config, njit, prange, types
+from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .cpu import FEATURES
 from .quants import (_F32T, _IR_FLAGS, _HW_F16, _I8, _I16, _I32, _Q2_K, _Q3_K, _Q4_0, _Q4_1, _Q4_K, _Q5_0,
                      _Q5_1, _Q5_K, _Q6_K, _Q8_0, _const_vec, _ir_accumulate, _ir_b8, _ir_bit_select, _ir_call, _ir_f16_exact,
                      _ir_f16_fast, _ir_hsum, _ir_i32, _ir_k_quants, _ir_k_scales, _ir_load, _ir_load_f16, _ir_qh_bits, _ir_splat,
                      _ir_vec_zero, _is_c_array, _matvec, _prefetch_ahead, _product_args, _shuffle, _task_rows, _vec)
 
 __all__ = ["DOT_ISA", "INT8_TYPES", "VNNI", "matmul_int8", "quantize_x"]
-
-
-def _target_features() -> set[str]:
-    """CPU features of numba's compilation target (NUMBA_CPU_FEATURES, else the host's)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return set()
-    features = numba_config.CPU_FEATURES
-    if features is None:
-        return {k for k, v in llvm.get_host_cpu_features().items() if v}
-    return {f[1:] for f in features.split(",") if f.startswith("+")}
 
 
 def _dot_isa(features) -> str:
@@ -95,13 +84,12 @@ def _dot_isa(features) -> str:
     return "generic"         # portable IR: widening multiplies
 
 
-_FEATURES: set[str] = _target_features()  # read once: attention's pass widths follow them too
-
-DOT_ISA: str = _dot_isa(_FEATURES)
+DOT_ISA: str = _dot_isa(FEATURES)
 """How the int8 dots are compiled here: "vnni512", "vnni256", "avx2" or "generic"."""
 
 VNNI: bool = DOT_ISA.startswith("vnni")
 """Whether the int8 dots use vpdpbusd."""
+
 
 INT8_TYPES: tuple[QT, ...] = (QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q3_K,
                               QT.Q2_K)
