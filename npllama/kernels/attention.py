@@ -45,10 +45,10 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .cpu import FEATURES
 from .f16 import _ld, _ld_row, bits
 from .nn import _exp, _ir_exp
 from .quants import _F32T, _HW_F16, _IR_FLAGS, _ir_call, _ir_hsum, _ir_load, _ir_splat, _is_c_array, _shuffle, _vec
-from .cpu import FEATURES
 
 # No 'nnan' / 'ninf': the kernels rely on -inf for removed keys and empty running maxima.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp", "afn"}

@@ -90,7 +90,6 @@ DOT_ISA: str = _dot_isa(FEATURES)
 VNNI: bool = DOT_ISA.startswith("vnni")
 """Whether the int8 dots use vpdpbusd."""
 
-
 INT8_TYPES: tuple[QT, ...] = (QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q3_K,
                               QT.Q2_K)
 """Weight types with an int8-activation kernel; the others fall back to the float32 kernels."""
