@@ -16,7 +16,7 @@ from test_quants_int8 import full_range_weight, ref_quantize, runnable_isas
 
 TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
 MODES = [True, False]  # int8 activations, int24 ones (the exact mode)
-# "amx": the tiles of 16 rows by AMX, the rest by the vpdpbusd kernel (`_panel_dots_many`)
+# "amx": with 64 rows or more the tiles of 16 by AMX, the rest by the vpdpbusd kernel (`_panel_dots_many`)
 ISAS = runnable_isas() + (["amx"] if P.AMX else [])
 _KERNELS = {}
 
@@ -33,7 +33,7 @@ def cols(qtype, blocks):
 def panel_kernel(isa, one_row=False):
     """njit (code, pw, rows, xr, out): `_matmul_panels` with the micro-kernels of `isa`
     (serial, not cached; `one_row`: the kernel for one activation row; "amx": AMX's tiles of
-    16 rows, then the vpdpbusd kernel's)."""
+    16 rows where there are 64 rows or more, then the vpdpbusd kernel's)."""
     if (isa, one_row) not in _KERNELS:
         dots = P._panel_dots_many if isa == "amx" else P._make_panel_dots(isa, one_row)
         W = P.PANEL
@@ -75,7 +75,7 @@ def test_products_every_isa(isa, qtype, int8):
     one activation row also by the kernel for one row (the decode step's)."""
     rng = np.random.default_rng(int(qtype))
     for rows, blocks, T in ((1, 1, 1), (16, 1, 4), (17, 2, 5), (37, 3, 9), (5, 18, 3), (33, 7, 13), (20, 2, 29),
-                            (40, 9, 1), (3, 1, 16), (18, 5, 48)):
+                            (40, 9, 1), (3, 1, 16), (18, 5, 70)):
         data = full_range_weight(qtype, rows, blocks, rng)
         x = rng.normal(size=(T, cols(qtype, blocks))).astype(np.float32)
         x[0, :32] *= 100.0
@@ -116,11 +116,11 @@ def test_largest_integer_sums_every_isa(isa, qtype, int8):
     digits = [[127], [-127], [127], [-127]] if int8 else [[126, 127, 127], [-126, -128, -128], [126, -128, -128],
                                                            [-126, 127, 127]]
     d = np.array([[0.5], [0.25], [2.0 ** -10], [3.0]], np.float32) * np.ones((1, cols(qtype, blocks) // 32), np.float32)
-    xr, x = handmade_rows(digits * 4, np.tile(d, (4, 1)))  # 16 rows: AMX's tile
+    xr, x = handmade_rows(digits * 16, np.tile(d, (16, 1)))  # 64 rows: AMX's tiles (P._AMX_ROWS)
     pw, w = P.pack_panels(data, qtype), gguf.quants.dequantize(data, qtype).reshape(3, -1).astype(np.float64)
     assert np.isfinite(w).all()
-    # all 16 rows, then each row alone: in a tile of one, and by the kernel for one row
-    for rows, one_row in ((slice(0, 16), False), *((slice(t, t + 1), one) for t in range(4) for one in (False, True))):
+    # all 64 rows, then each row alone: in a tile of one, and by the kernel for one row
+    for rows, one_row in ((slice(0, 64), False), *((slice(t, t + 1), one) for t in range(4) for one in (False, True))):
         out = np.full((rows.stop - rows.start, 3), np.nan, np.float32)
         panel_kernel(isa, one_row)(int(qtype), pw, 3, tuple(a[rows] for a in xr), out)
         np.testing.assert_array_less(np.abs(out - x[rows] @ w.T), 2e-6 * (np.abs(x[rows]) @ np.abs(w).T) + 1e-30)

@@ -74,7 +74,7 @@ overflow, then widened by one vpmaddwd; a Q8_0 byte as two nibbles), else portab
 (widening multiplies; `_make_panel_dots(isa)` builds any).
 
 With AMX-INT8 (an Intel Xeon since Sapphire Rapids; cpu.AMX, which $NPLLAMA_AMX=0
-turns off), each tile of 16 activation rows
+turns off) and at least `_AMX_ROWS` (64) activation rows, each tile of 16 of them
 takes one tdpbsud a block (a half of one for Q6_K) and plane, on a tile of the 16 rows' x and
 one of the panel's weights put together as bytes (`_make_panel_dots_amx`); the rows after
 the last such tile take the vpdpbusd kernel. The integer sums are the same, and one routine
@@ -82,7 +82,7 @@ the last such tile take the vpdpbusd kernel. The integer sums are the same, and 
 16 x 16 sums at once, but they reach the vector registers only through memory (a tile's 1 KiB
 store, then loads), once a block of 32 because each block has its own scales. On an Intel Xeon
 (Emerald Rapids, one thread, the weights in the caches) the products of 128 rows took 0.65-0.9x
-the vpdpbusd kernel's time, those of 16 rows 0.85-1.0x.
+the vpdpbusd kernel's time, those of 64 rows 0.7-1.0x.
 
 Njit level (C-contiguous arrays, nothing raises):
 
@@ -862,14 +862,21 @@ def _make_panel_dots_amx():
     return panel_dots
 
 
+# The fewest activation rows whose products take AMX's tiles. A call's own costs (wb from the
+# heap, 200-300 ns; the tiles' configuration; the weights put together for few tiles) made 16
+# or 32 rows no faster than the vpdpbusd kernel (0.74-1.05x, 0.91-1.32x); 64 rows ran at
+# 1.0-1.43x its speed, 128 at 1.1-1.6x. So a batched decode pass of up to 63 sequences keeps
+# the vpdpbusd kernel, and a prefill of 64 tokens or more takes the tiles.
+_AMX_ROWS = 64
+
 if AMX:
     _panel_dots_amx = _make_panel_dots_amx()
 
     @njit(cache=True)
     def _panel_dots_many(code, panel, xr, tmp):
-        """`_panel_dots`, with the tiles of 16 activation rows by AMX."""
+        """`_panel_dots`, with the tiles of 16 activation rows by AMX when there are at least `_AMX_ROWS`."""
         T = tmp.shape[0]
-        done = T // 16 * 16
+        done = T // 16 * 16 if T >= _AMX_ROWS else 0
         if done:
             _panel_dots_amx(code, panel, xr, tmp, np.empty(16 * xr[0].shape[-1], np.uint8))
         if done < T:
