@@ -40,6 +40,6 @@ def amx_ready(features) -> bool:
 FEATURES: set[str] = target_features()
 
 AMX: bool = amx_ready(FEATURES)
-"""Whether the panel products of 16 activation rows or more use AMX tiles
+"""Whether the panel products of many activation rows (panels._AMX_ROWS) use AMX tiles
 (panels._make_panel_dots_amx). Compiled code reads it and Numba's key (the CPU's name and
 features) does not hold it, so it is part of the kernels' cache stamp (cachestamp)."""
