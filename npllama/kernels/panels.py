@@ -506,8 +506,19 @@ class _Pairs:
 _V16I, _V16F, _V64B = _vec(_I32, 16), _vec(_F32T, 16), _vec(_I8, 64)
 
 
-def _ir_scales(builder, pp, at, layout, has_m):
-    """The 16 rows' d, and their m or second d (_KINDS), of the panel block scales at byte `at` of `pp`."""
+def _ir_prefetch_next(builder, kind, pp, ob, panel_bytes):
+    """Ask for the next panel's block at byte `ob` of `pp` (a panel is `panel_bytes` long; a
+    hint, harmless past the last panel)."""
+    for line in range(0, _KINDS[kind][3], 64):
+        _ir_prefetch(builder, builder.gep(pp, [builder.add(builder.add(ob, ir.Constant(ob.type, line)), panel_bytes)]))
+
+
+def _ir_scales(builder, kind, pp, ob):
+    """The 16 rows' d, and their m or second d (_KINDS), of the panel block at byte `ob` of `pp`
+    (its scales follow its quants and high bits)."""
+    _, _, groups, _, _, has_m, layout, bits, _ = _KINDS[kind]
+    at = builder.add(ob, ir.Constant(ob.type, 64 * (groups + bits)))
+
     def f16(o):
         return _ir_f16_vec(builder, _ir_load(builder, pp, builder.add(at, ir.Constant(at.type, o)),
                                              _vec(_I16, 16), 1))
@@ -631,7 +642,7 @@ def _make_panel_dots(isa: str, one_row: bool = False):
     (the module's docstring)."""
 
     def tile(builder, kind, arrays, t0, tt, P):  # tmp[t0 + t, :] for t < tt, int8 (P 1) or int24 (P 3) x
-        _, _, groups, pbs, _, has_m, layout, bits, halves = _KINDS[kind]
+        _, _, groups, pbs, _, _, _, bits, halves = _KINDS[kind]
         pp, qp, _, _, _, tmp, n, panel_bytes = arrays
         nb = builder.sdiv(n, ir.Constant(n.type, 32))
         c = lambda v: ir.Constant(n.type, v)  # noqa: E731
@@ -646,16 +657,15 @@ def _make_panel_dots(isa: str, one_row: bool = False):
             b = loop.index
             ob = builder.mul(b, c(pbs))
             xo = builder.mul(b, c(32))
-            if ahead is not None:  # the next panel's block b (a hint, harmless past the last panel)
+            if ahead is not None:  # the next panel's block b
                 with builder.if_then(ahead):
-                    for line in range(0, pbs, 64):
-                        _ir_prefetch(builder, builder.gep(pp, [builder.add(builder.add(ob, c(line)), panel_bytes)]))
+                    _ir_prefetch_next(builder, kind, pp, ob, panel_bytes)
 
             def x4(t, col, p):  # the 4 bytes of plane p of row t's x from column 32 b + col, in every lane
                 w = _ir_load(builder, xrow[p][t], builder.add(xo, c(col)), _I32, 1)
                 return builder.bitcast(_ir_splat(builder, w, 16), _V64B)
 
-            dw, mw = _ir_scales(builder, pp, builder.add(ob, c(64 * (groups + bits))), layout, has_m)
+            dw, mw = _ir_scales(builder, kind, pp, ob)
             # the integer sums: one a half (Q6_K), else one a block, in two chains in a tile of
             # one row of int8, whose one chain would wait on each dot's latency (a tile of 4
             # rows, or int24's planes, have independent chains already; AVX2's chains of i16
@@ -752,7 +762,7 @@ def _make_panel_dots_amx():
     """
 
     def tiles(builder, kind, arrays, P, T, wb):
-        _, _, groups, pbs, _, has_m, layout, bits, halves = _KINDS[kind]
+        _, _, groups, pbs, _, _, _, _, halves = _KINDS[kind]
         pp, qp, _, _, _, tmp, n, panel_bytes = arrays
         nh = 2 if halves else 1
         c = lambda v: ir.Constant(n.type, v)  # noqa: E731
@@ -771,13 +781,9 @@ def _make_panel_dots_amx():
             builder.store(ir.Constant(_I8, nrows), builder.gep(cfg8, [c(48 + i)]))
         _ir_tile(builder, "ldtilecfg", cfg8)
 
-        def prefetch(ob):  # the next panel's block at `ob` (a hint, harmless past the last panel)
-            for line in range(0, pbs, 64):
-                _ir_prefetch(builder, builder.gep(pp, [builder.add(builder.add(ob, c(line)), panel_bytes)]))
-
         def unpack(b):  # block b's weights as bytes into wb, its next panel's bytes asked for
             ob = builder.mul(b, c(pbs))
-            prefetch(ob)
+            _ir_prefetch_next(builder, kind, pp, ob, panel_bytes)
             at = builder.mul(b, c(512))
             for k in range(groups):
                 for u, col in _ir_parts(builder, kind, pp, ob, k):
@@ -798,8 +804,7 @@ def _make_panel_dots_amx():
             return builder.gep(sums, [builder.mul(builder.and_(b, c(1)), c(size))])
 
         def finish(t0, b):  # block b's sums, as floats into the 16 rows' acc
-            ob = builder.mul(b, c(pbs))
-            dw, mw = _ir_scales(builder, pp, builder.add(ob, c(64 * (groups + bits))), layout, has_m)
+            dw, mw = _ir_scales(builder, kind, pp, builder.mul(b, c(pbs)))
             at = sums_of(b)
             with cgutils.for_range(builder, c(16)) as rows:  # a loop: unrolled, its addresses took the registers
                 r = rows.index
@@ -814,9 +819,10 @@ def _make_panel_dots_amx():
             with cgutils.for_range(builder, nb) as loop:
                 b = loop.index
                 if groups == 8:  # Q8_0: the panel's bytes as they are, read first by the first tile
-                    w = builder.gep(pp, [builder.mul(b, c(pbs))])
+                    ob = builder.mul(b, c(pbs))
+                    w = builder.gep(pp, [ob])
                     with builder.if_then(builder.icmp_signed("==", t0, c(0))):
-                        prefetch(builder.mul(b, c(pbs)))
+                        _ir_prefetch_next(builder, kind, pp, ob, panel_bytes)
                 else:
                     w = builder.gep(wb, [builder.mul(b, c(512))])
                     ahead = builder.add(b, c(_UNPACK_AHEAD))
