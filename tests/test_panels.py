@@ -16,7 +16,7 @@ from test_quants_int8 import full_range_weight, ref_quantize, runnable_isas
 
 TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K]
 MODES = [True, False]  # int8 activations, int24 ones (the exact mode)
-# "amx": with 64 rows or more the tiles of 16 by AMX, the rest by the vpdpbusd kernel (`_panel_dots_many`)
+# "amx": with 48 rows or more the tiles of 16 by AMX, the rest by the vpdpbusd kernel (`_panel_dots_many`)
 ISAS = runnable_isas() + (["amx"] if P.AMX else [])
 _KERNELS = {}
 
@@ -33,17 +33,25 @@ def cols(qtype, blocks):
 def panel_kernel(isa, one_row=False):
     """njit (code, pw, rows, xr, out): `_matmul_panels` with the micro-kernels of `isa`
     (serial, not cached; `one_row`: the kernel for one activation row; "amx": AMX's tiles of
-    16 rows where there are 64 rows or more, then the vpdpbusd kernel's)."""
+    16 rows where there are enough rows, then the vpdpbusd kernel's)."""
     if (isa, one_row) not in _KERNELS:
-        dots = P._panel_dots_many if isa == "amx" else P._make_panel_dots(isa, one_row)
+        if isa == "amx":
+            dots = P._panel_dots_many
+        else:
+            kernel = P._make_panel_dots(isa, one_row)
+
+            @njit
+            def dots(code, panel, xr, tmp, wb):
+                kernel(code, panel, xr, tmp)
         W = P.PANEL
 
         @njit
         def run(code, pw, rows, xr, out):
             T = xr[0].shape[0]
             tmp = np.empty((T, W), np.float32)
+            wb = np.empty(16 * xr[0].shape[-1], np.uint8)
             for p in range(pw.shape[0]):
-                dots(code, pw[p], xr, tmp)
+                dots(code, pw[p], xr, tmp, wb)
                 for t in range(T):
                     for i in range(min(W, rows - p * W)):
                         out[t, p * W + i] = tmp[t, i]
@@ -129,9 +137,10 @@ def test_largest_integer_sums_every_isa(isa, qtype, int8):
 @pytest.mark.parametrize("int8", MODES, ids=mode_id)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_matmul_panels(qtype, int8):
-    """The compiled, parallel product; odd shapes, one row, non-contiguous input."""
+    """The compiled, parallel product; odd shapes, one row, non-contiguous input, and (50
+    rows) AMX's tiles where the CPU has them, with the scratch each thread makes once."""
     rng = np.random.default_rng(3)
-    for rows, blocks, T in ((1, 1, 1), (3, 2, 1), (40, 5, 6), (64, 18, 17)):
+    for rows, blocks, T in ((1, 1, 1), (3, 2, 1), (40, 5, 6), (64, 18, 17), (40, 3, 50)):
         data = full_range_weight(qtype, rows, blocks, rng)
         pw = P.pack_panels(data, qtype)
         assert pw.shape == ((rows + 15) // 16, cols(qtype, blocks) // 32 * P._KINDS[P._CODES[int(qtype)]][3])

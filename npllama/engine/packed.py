@@ -26,7 +26,7 @@ from numba import njit, prange
 from ..kernels.f16 import bits
 from ..kernels.nn import _glu1, _rmsnorm_row, _rope_row
 from ..kernels.paged_attention import _paged_task, _task_heads, _write_records
-from ..kernels.panels import PANEL, _panel_rows, _quantize_into, _store, empty_rows
+from ..kernels.panels import PANEL, _panel_rows, _quantize_into, _store, empty_rows, weight_bytes
 from ..kernels.workshare import _finish, _take, _wait, phase_size
 from .decode import _residual, _weight
 
@@ -114,6 +114,7 @@ def _worker(home, nt, ctr, x, positions, slots, tables, blk_seq, blk_row, blk_po
     n_rec = kvs.shape[1] * kvs.shape[2]
     tmp = np.empty((T, PANEL), np.float32)
     tmp2 = np.empty((T, PANEL), np.float32)
+    wb = np.empty(weight_bytes(T, max(xe[0].shape[-1], xa[0].shape[-1], xf[0].shape[-1])), np.uint8)
     q3, k3, v3 = q.reshape(T, H, D), k.reshape(T, KVH, D), v.reshape(T, KVH, D)
     per = _task_heads(KVH, blk_seq.shape[0])
     for li in range(n_layer + 1):
@@ -125,7 +126,7 @@ def _worker(home, nt, ctr, x, positions, slots, tables, blk_seq, blk_row, blk_po
         if last:
             break
         e = table[li]
-        _panel_phase(ctr, at + step, home, nt, buffer, panels, e, 0, 3, xe, q, k, v, tmp, tmp2, act)
+        _panel_phase(ctr, at + step, home, nt, buffer, panels, e, 0, 3, xe, q, k, v, tmp, tmp2, wb, act)
         qr, kr = (qn, kn) if q_norm.shape[1] else (q3, k3)
         _token_qkv(ctr, at + 2 * step, home, nt, li, q3, k3, v3, qr, kr, bq, bk, bv, q_norm, k_norm, lcfg, positions,
                    cos, sin, neox, eps, kvs[li].reshape(n_rec, KVH, 2, D), slots)
@@ -140,11 +141,11 @@ def _worker(home, nt, ctr, x, positions, slots, tables, blk_seq, blk_row, blk_po
         _finish(ctr, at + 3 * step, nt, done)
         _wait(ctr, at + 3 * step, nt, n)
         _quantize_phase(ctr, at + 4 * step, home, nt, a.reshape(T, H * D), xa)
-        _panel_phase(ctr, at + 5 * step, home, nt, buffer, panels, e, 3, 4, xa, o, o, o, tmp, tmp2, act)
+        _panel_phase(ctr, at + 5 * step, home, nt, buffer, panels, e, 3, 4, xa, o, o, o, tmp, tmp2, wb, act)
         _token_rows(ctr, at + 6 * step, home, nt, x, o, post_attn, li, True, ffn_norm[li], True, eps, h, xe)
-        _panel_phase(ctr, at + 7 * step, home, nt, buffer, panels, e, 4, 5, xe, f, f, f, tmp, tmp2, act)
+        _panel_phase(ctr, at + 7 * step, home, nt, buffer, panels, e, 4, 5, xe, f, f, f, tmp, tmp2, wb, act)
         _quantize_phase(ctr, at + 8 * step, home, nt, f, xf)
-        _panel_phase(ctr, at + 9 * step, home, nt, buffer, panels, e, 6, 7, xf, d, d, d, tmp, tmp2, act)
+        _panel_phase(ctr, at + 9 * step, home, nt, buffer, panels, e, 6, 7, xf, d, d, d, tmp, tmp2, wb, act)
 
 
 @njit(cache=True)
@@ -221,7 +222,7 @@ def _token_qkv(ctr, slot, home, nt, li, q, k, v, qr, kr, bq, bk, bv, q_norm, k_n
 
 
 @njit(cache=True)
-def _panel_phase(ctr, slot, home, nt, buffer, panels, e, s0, s1, xr, out0, out1, out2, tmp, tmp2, act):
+def _panel_phase(ctr, slot, home, nt, buffer, panels, e, s0, s1, xr, out0, out1, out2, tmp, tmp2, wb, act):
     """The panels of products s0..s1-1 of a layer's table entries e (q, k and v: 0..2, into
     out0, out1, out2; o: 3; down: 6) as items, or (s0 == 4) the gate panels with their up
     panels, into out0 = act(gate) * up as `_gate_up_panels`."""
@@ -238,9 +239,9 @@ def _panel_phase(ctr, slot, home, nt, buffer, panels, e, s0, s1, xr, out0, out1,
             p -= (e[j, 2] + PANEL - 1) // PANEL
             j += 1
         out = out0 if j == s0 else (out1 if j == s0 + 1 else out2)
-        _panel_rows(e[j, 0], _weight(buffer, panels, e[j]), p, xr, tmp)
+        _panel_rows(e[j, 0], _weight(buffer, panels, e[j]), p, xr, tmp, wb)
         if s0 == 4:
-            _panel_rows(e[5, 0], _weight(buffer, panels, e[5]), p, xr, tmp2)
+            _panel_rows(e[5, 0], _weight(buffer, panels, e[5]), p, xr, tmp2, wb)
             for t in range(out.shape[0]):
                 for r in range(min(PANEL, out.shape[1] - p * PANEL)):
                     out[t, p * PANEL + r] = _glu1(tmp[t, r], tmp2[t, r], act)

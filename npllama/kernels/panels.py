@@ -74,7 +74,7 @@ overflow, then widened by one vpmaddwd; a Q8_0 byte as two nibbles), else portab
 (widening multiplies; `_make_panel_dots(isa)` builds any).
 
 With AMX-INT8 (an Intel Xeon since Sapphire Rapids; cpu.AMX, which $NPLLAMA_AMX=0
-turns off) and at least `_AMX_ROWS` (64) activation rows, each tile of 16 of them
+turns off) and at least `_AMX_ROWS` (48) activation rows, each tile of 16 of them
 takes one tdpbsud a block (a half of one for Q6_K) and plane, on a tile of the 16 rows' x and
 one of the panel's weights put together as bytes (`_make_panel_dots_amx`); the rows after
 the last such tile take the vpdpbusd kernel. The integer sums are the same, and one routine
@@ -82,7 +82,9 @@ the last such tile take the vpdpbusd kernel. The integer sums are the same, and 
 16 x 16 sums at once, but they reach the vector registers only through memory (a tile's 1 KiB
 store, then loads), once a block of 32 because each block has its own scales. On an Intel Xeon
 (Emerald Rapids, one thread, the weights in the caches) the products of 128 rows took 0.65-0.9x
-the vpdpbusd kernel's time, those of 64 rows 0.7-1.0x.
+the vpdpbusd kernel's time, those of 64 rows 0.7-1.0x. The weights as bytes go into a scratch
+`wb` that the callers make once (`weight_bytes`), where each call's own from the heap cost as
+much as the tiles saved in calls of 16 rows.
 
 Njit level (C-contiguous arrays, nothing raises):
 
@@ -91,9 +93,10 @@ Njit level (C-contiguous arrays, nothing raises):
   ``_quantize_parallel(x, xr)`` the same, the rows shared among the threads.
 * ``xr``, the activation rows as the products take them: ``(xq, xd, xs, xi)``, int8 (xq (T,
   n), xi (T, n // 16)) or int24 (xq (T, 3, n), xi (T, 3, n // 16): the planes).
-* ``_panel_rows(code, pw, p, xr, tmp)``: tmp[t, :] = the 16 products of panel p with every
-  activation row t (tmp: (T, 16) float32), by the micro-kernel ``_panel_dots_one`` (one row)
-  or ``_panel_dots_many`` (``_panel_dots``, after AMX's tiles where the CPU has them).
+* ``_panel_rows(code, pw, p, xr, tmp, wb)``: tmp[t, :] = the 16 products of panel p with every
+  activation row t (tmp: (T, 16) float32; wb: uint8 scratch of ``weight_bytes(T, n)``), by
+  the micro-kernel ``_panel_dots_one`` (one row) or ``_panel_dots_many`` (``_panel_dots``,
+  after AMX's tiles where the CPU has them).
 * ``_matmul_panels``, ``_qkv_panels``, ``_gate_up_panels``: the products, parallel over panels.
 
 Python level: ``has_panels(qtype)``, ``panel_shape(qtype, rows, cols)``, ``pack_panels(data,
@@ -868,37 +871,54 @@ def _make_panel_dots_amx():
     return panel_dots
 
 
-# The fewest activation rows whose products take AMX's tiles. A call's own costs (wb from the
-# heap, 200-300 ns; the tiles' configuration; the weights put together for few tiles) made 16
-# or 32 rows no faster than the vpdpbusd kernel (0.74-1.05x, 0.91-1.32x); 64 rows ran at
-# 1.0-1.43x its speed, 128 at 1.1-1.6x. So a batched decode pass of up to 63 sequences keeps
-# the vpdpbusd kernel, and a prefill of 64 tokens or more takes the tiles.
-_AMX_ROWS = 64
+# The fewest activation rows whose products take AMX's tiles. On an Intel Xeon (Emerald
+# Rapids), with `wb` made once a thread: one thread, the default model's shapes in a loop,
+# the tiles took the products at 16 rows 1.25x faster than the vpdpbusd kernel in int8 and
+# 1.02x in int24, at 32 rows 1.54x and 1.05x, at 48 1.44x and 1.24x. But with two threads, a
+# parallel region a product (the products of a prefill), 16 int8 rows took 1.2x as long
+# with the tiles, 32 about as long, 48 0.8x (int24 0.9x); and batched decode passes of 16
+# sequences were no faster. (With `wb` from the heap in every call, 16 rows had been
+# 0.74-1.05x in the loop.)
+_AMX_ROWS = 48
 
 if AMX:
     _panel_dots_amx = _make_panel_dots_amx()
 
     @njit(cache=True)
-    def _panel_dots_many(code, panel, xr, tmp):
-        """`_panel_dots`, with the tiles of 16 activation rows by AMX when there are at least `_AMX_ROWS`."""
+    def _panel_dots_many(code, panel, xr, tmp, wb):
+        """`_panel_dots`, with the tiles of 16 activation rows by AMX when there are at least
+        `_AMX_ROWS` (wb: `weight_bytes` bytes)."""
         T = tmp.shape[0]
         done = T // 16 * 16 if T >= _AMX_ROWS else 0
         if done:
-            _panel_dots_amx(code, panel, xr, tmp, np.empty(16 * xr[0].shape[-1], np.uint8))
+            _panel_dots_amx(code, panel, xr, tmp, wb)
         if done < T:
             _panel_dots(code, panel, (xr[0][done:], xr[1][done:], xr[2][done:], xr[3][done:]), tmp[done:])
 else:
-    _panel_dots_many = _panel_dots
+    @njit(cache=True)
+    def _panel_dots_many(code, panel, xr, tmp, wb):
+        """`_panel_dots` (wb unused: there are no AMX tiles)."""
+        _panel_dots(code, panel, xr, tmp)
 
 
 @njit(cache=True)
-def _panel_rows(code, pw, p, xr, tmp):
+def weight_bytes(T, n):
+    """The size of the scratch `wb` (uint8) that `_panel_rows` takes beside T activation rows
+    of n values: room for a panel's weights as bytes where AMX's tiles may take them, else 0.
+    A caller makes it once for all its calls, for the widest rows it has (in a parallel loop's
+    body, np.empty of it is made once a thread)."""
+    return 16 * n if AMX and T >= _AMX_ROWS else 0
+
+
+@njit(cache=True)
+def _panel_rows(code, pw, p, xr, tmp, wb):
     """tmp[t, i] = dot(row 16 p + i of the weight whose panels are `pw`, x_t) for every
-    activation row t of xr (tmp: (T, 16) float32)."""
+    activation row t of xr (tmp: (T, 16) float32; wb: uint8, `weight_bytes` of xr's shape, or
+    of a wider one's)."""
     if xr[0].shape[0] == 1:  # its own kernel (the module's docstring)
         _panel_dots_one(code, pw[p], xr, tmp)
     else:
-        _panel_dots_many(code, pw[p], xr, tmp)
+        _panel_dots_many(code, pw[p], xr, tmp, wb)
 
 
 @njit(cache=True)
@@ -915,7 +935,8 @@ def _matmul_panels(code, pw, rows, xr, out):
     for i in prange(pw.shape[0]):
         p = np.int64(i)  # prange's index is unsigned in the parallel region: one signature of the callees
         tmp = np.empty((xr[0].shape[0], PANEL), np.float32)
-        _panel_rows(code, pw, p, xr, tmp)
+        wb = np.empty(weight_bytes(xr[0].shape[0], xr[0].shape[-1]), np.uint8)
+        _panel_rows(code, pw, p, xr, tmp, wb)
         _store(tmp, out, p, rows)
 
 
@@ -926,14 +947,15 @@ def _qkv_panels(cq, pq, ck, pk, cv, pv, xr, q, k, v):
     for i in prange(nq + nk + pv.shape[0]):
         c = np.int64(i)  # as in _matmul_panels
         tmp = np.empty((xr[0].shape[0], PANEL), np.float32)
+        wb = np.empty(weight_bytes(xr[0].shape[0], xr[0].shape[-1]), np.uint8)
         if c < nq:
-            _panel_rows(cq, pq, c, xr, tmp)
+            _panel_rows(cq, pq, c, xr, tmp, wb)
             _store(tmp, q, c, q.shape[1])
         elif c < nq + nk:
-            _panel_rows(ck, pk, c - nq, xr, tmp)
+            _panel_rows(ck, pk, c - nq, xr, tmp, wb)
             _store(tmp, k, c - nq, k.shape[1])
         else:
-            _panel_rows(cv, pv, c - nq - nk, xr, tmp)
+            _panel_rows(cv, pv, c - nq - nk, xr, tmp, wb)
             _store(tmp, v, c - nq - nk, v.shape[1])
 
 
@@ -945,8 +967,9 @@ def _gate_up_panels(cg, pg, cu, pu, xr, out, act):
         p = np.int64(j)  # as in _matmul_panels
         g = np.empty((T, PANEL), np.float32)
         u = np.empty((T, PANEL), np.float32)
-        _panel_rows(cg, pg, p, xr, g)
-        _panel_rows(cu, pu, p, xr, u)
+        wb = np.empty(weight_bytes(xr[0].shape[0], xr[0].shape[-1]), np.uint8)
+        _panel_rows(cg, pg, p, xr, g, wb)
+        _panel_rows(cu, pu, p, xr, u, wb)
         for t in range(T):
             for i in range(min(PANEL, rows - p * PANEL)):
                 out[t, p * PANEL + i] = _glu1(g[t, i], u[t, i], act)
