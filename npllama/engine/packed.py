@@ -24,9 +24,9 @@ import numpy as np
 from numba import njit, prange
 
 from ..kernels.f16 import bits
-from ..kernels.nn import _glu1, _rmsnorm_row, _rope_row
+from ..kernels.nn import _rmsnorm_row, _rope_row
 from ..kernels.paged_attention import _paged_task, _task_heads, _write_records
-from ..kernels.panels import PANEL, _panel_rows, _quantize_into, _store, empty_rows, weight_bytes
+from ..kernels.panels import PANEL, _glu_store, _panel_rows, _quantize_into, _store, empty_rows, weight_bytes
 from ..kernels.workshare import _finish, _take, _wait, phase_size
 from .decode import _residual, _weight
 
@@ -242,9 +242,7 @@ def _panel_phase(ctr, slot, home, nt, buffer, panels, e, s0, s1, xr, out0, out1,
         _panel_rows(e[j, 0], _weight(buffer, panels, e[j]), p, xr, tmp, wb)
         if s0 == 4:
             _panel_rows(e[5, 0], _weight(buffer, panels, e[5]), p, xr, tmp2, wb)
-            for t in range(out.shape[0]):
-                for r in range(min(PANEL, out.shape[1] - p * PANEL)):
-                    out[t, p * PANEL + r] = _glu1(tmp[t, r], tmp2[t, r], act)
+            _glu_store(tmp, tmp2, out, p, act)
         else:
             _store(tmp, out, p, e[j, 2])
         done += 1
