@@ -242,3 +242,16 @@ def test_a_buffer_with_a_view_held_is_never_reused():
     fill(c, *rows(rng, 16, d=40))
     assert not np.shares_memory(keys, c.buffers())
     np.testing.assert_array_equal(keys, k)
+
+
+def test_a_session_alive_at_exit_says_nothing(tiny_model_path):
+    """A script that ends with a session in its globals, and one of its functions kept by a
+    module that outlives it (a hook, a callback): at interpreter exit the script's globals
+    go after npllama's modules have lost theirs, and the cache's __del__ must then keep
+    quiet rather than print an ignored exception."""
+    import subprocess
+    import sys
+    code = (f"import json, npllama\nm = npllama.Model({str(tiny_model_path)!r})\ns = m.session()\n"
+            "s.feed([1, 2, 3])\njson.hook = lambda: None\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stderr == "", r.stderr

@@ -112,7 +112,8 @@ class KVCache:
         return sys.getrefcount(self._buf) == _UNSHARED_REFS
 
     def __del__(self):
-        if "_buf" in self.__dict__ and self._unshared():
+        # at interpreter exit this module's globals (sys, _SPARES) may be gone first: nothing to keep then
+        if sys is not None and _SPARES is not None and "_buf" in self.__dict__ and self._unshared():
             _SPARES.put(self._buf)
 
     @property
