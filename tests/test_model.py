@@ -58,8 +58,9 @@ def test_single_token(tiny_model_path):
 @pytest.mark.parametrize("n", [1, 37])
 def test_exact_prefill_fused_products_match_one_at_a_time(tmp_path, qtype, n):
     """The exact prefill computes q/k/v in one parallel region and gate/up with their GLU in
-    another (engine.ops: the row kernels for F16, the int24 panels for the others); its logits
-    are the bits of one product at a time (block.Ops on matmul_rows or matmul_panels, then
+    another (engine.ops: the row kernels for F16), or every layer in one compiled call on the
+    int24 panels (engine/packed.py, for the others); its logits are the bits of one product
+    at a time (block.Ops on matmul_rows or matmul_panels, then
     the GLU: the panels' own GLU is strict float32 arithmetic, nn.glu's fast-math, so there
     the logits agree to float32 rounding), for one token and for an odd count."""
     from npllama.engine import block
@@ -90,6 +91,27 @@ def test_exact_prefill_fused_products_match_one_at_a_time(tmp_path, qtype, n):
         assert m.panels(m.layers[0].w_gate) is not None
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     assert np.abs(got - naive.forward(m.file, list(ids))).max() <= 3e-2 * np.abs(got).max()
+
+
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
+def test_prompt_in_pieces_through_the_compiled_layers(tmp_path, monkeypatch, kv_dtype):
+    """A session's prompts where every product has panels run every layer in one compiled
+    call over the cache's buffer (engine/packed.py): a prompt in three pieces, each growing
+    the cache from capacity 0, and in chunks (PREFILL_CHUNK), gives the reference's logits,
+    with a float32 or float16 cache; the cache holds them all (a decoded token after them)."""
+    from npllama.engine import packed, transformer
+    monkeypatch.setattr(transformer, "PREFILL_CHUNK", 7)
+    m = npllama.Model(write_tiny_llama(tmp_path / "m.gguf", qtype=QT.Q8_0, n_embd=96, n_head=6, n_head_kv=2,
+                                       n_ff=128), kv_dtype=kv_dtype)
+    assert packed.fits(m)
+    ids = [int(t) for t in np.random.default_rng(4).integers(0, 256, 40)]
+    s = m.session()
+    assert s.cache.capacity == 0
+    got = np.concatenate([s.feed(ids[:3], all_logits=True), s.feed(ids[3:19], all_logits=True),
+                          s.feed(ids[19:39], all_logits=True), s.feed(ids[39:])[None]])
+    assert s.cache.length == s.pos == 40
+    ref = naive.forward(m.file, ids)
+    assert np.abs(got - ref).max() <= (2e-4 if kv_dtype == np.float32 else 3e-3) * np.abs(ref).max()
 
 
 @pytest.mark.parametrize("qtype", [QT.F32, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0])

@@ -128,7 +128,8 @@ def _forward_cpu(model, pool, ids, positions, slots, seq_of_token, tables, want,
 
             x = block.embed(model, ids[c0:c1])
             if compiled:
-                packed.run_layers(model, x, positions[c0:c1], pool, slots_c, tables, blocks, end, threads)
+                packed.run_layers(model, x, positions[c0:c1], pool.slots(), pool.page_size, slots_c, tables, blocks,
+                                  end, threads)
             else:
                 def paged_attention(li, q, k, v, window, slots_c=slots_c, blocks=blocks):
                     pool.write(li, slots_c, k, v)
