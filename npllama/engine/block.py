@@ -1,8 +1,8 @@
 """The transformer block as its `ModelConfig` describes it, for many tokens at once: the
 prefill path (Model.forward) and the batched path (batch.forward_batch) both run
 `run_layers`, and differ only in the `Ops` they pass (how products, norms, RoPE and
-attention are computed). The fused single-token step (decode.py) and the batched path's
-compiled layers (packed.py, for models whose products all have panels) read the same
+attention are computed). The fused single-token step (decode.py) and the compiled layers
+that both paths take for models whose products all have panels (packed.py) read the same
 description in compiled code.
 
 Per layer, with the flags of the description:
