@@ -60,9 +60,9 @@ def test_exact_prefill_fused_products_match_one_at_a_time(tmp_path, qtype, n):
     """The exact prefill computes q/k/v in one parallel region and gate/up with their GLU in
     another (engine.ops: the row kernels for F16), or every layer in one compiled call on the
     int24 panels (engine/packed.py, for the others); its logits are the bits of one product
-    at a time (block.Ops on matmul_rows or matmul_panels, then
-    the GLU: the panels' own GLU is strict float32 arithmetic, nn.glu's fast-math, so there
-    the logits agree to float32 rounding), for one token and for an odd count."""
+    at a time (block.Ops on matmul_rows or matmul_panels, then the GLU: the panels' own GLU
+    is strict float32 arithmetic, nn.glu's fast-math, so there the logits agree to float32
+    rounding), for one token and for an odd count."""
     from npllama.engine import block
     from npllama.kernels.attention import attend
     from npllama.kernels.nn import rmsnorm
