@@ -299,3 +299,24 @@ def test_errors():
             P.pack_panels(data, QT.Q4_1, out=bad)
     with pytest.raises(ValueError, match="no panel kernels for type"):
         P.panel_shape(QT.Q2_K, 4, 256)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_glu_store_against_numpy(act):
+    """`_glu_store` (the packed pass's GLU of a panel) against the formulas in float64: every
+    row of the panel's columns, the last panel's that exist only, one row, and nothing
+    outside the panel's columns written."""
+    rng = np.random.default_rng(11)
+    for T, cols, p in ((5, 48, 1), (1, 16, 0), (3, 37, 2)):
+        g = (rng.normal(size=(T, 16)) * 4).astype(np.float32)
+        u = rng.normal(size=(T, 16)).astype(np.float32)
+        out = np.full((T, cols), np.nan, np.float32)
+        P._glu_store(g, u, out, p, ACTS[act])
+        w = min(16, cols - 16 * p)
+        x = g[:, :w].astype(np.float64)
+        if act == "silu":
+            ref = x / (1 + np.exp(-x)) * u[:, :w]
+        else:
+            ref = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3))) * u[:, :w]
+        np.testing.assert_allclose(out[:, 16 * p:16 * p + w], ref, rtol=2e-6, atol=1e-7)
+        assert np.isnan(np.delete(out, np.s_[16 * p:16 * p + w], axis=1)).all()
