@@ -246,9 +246,9 @@ def _panel_phase(ctr, slot, home, nt, buffer, panels, e, s0, s1, xr, out0, out1,
             p -= (e[j, 2] + PANEL - 1) // PANEL
             j += 1
         out = out0 if j == s0 else (out1 if j == s0 + 1 else out2)
-        _panel_rows(e[j, 0], _weight(buffer, panels, e[j]), p, xr, tmp, wb)
+        for s in range(2 if s0 == 4 else 1):  # the gate's panel, then the up's; one call site: it is inlined
+            _panel_rows(e[j + s, 0], _weight(buffer, panels, e[j + s]), p, xr, tmp if s == 0 else tmp2, wb)
         if s0 == 4:
-            _panel_rows(e[5, 0], _weight(buffer, panels, e[5]), p, xr, tmp2, wb)
             _glu_store(tmp, tmp2, out, p, act)
         else:
             _store(tmp, out, p, e[j, 2])
