@@ -119,6 +119,10 @@ def _worker(home, nt, ctr, x, positions, slots, tables, blk_seq, blk_row, blk_po
     KVH = kvs.shape[3]
     n_layer = attn_norm.shape[0]
     n_rec = kvs.shape[1] * kvs.shape[2]
+    # the products' table entries as int64, not literals: Numba compiles a callee once for
+    # each literal it is called with, and each of _panel_phase's compiled versions would
+    # carry its own copy of the panel kernels' code (inlined, `panels._panel_rows`)
+    i64 = np.int64
     tmp = np.empty((T, PANEL), np.float32)
     tmp2 = np.empty((T, PANEL), np.float32)
     wb = np.empty(weight_bytes(T, max(xe[0].shape[-1], xa[0].shape[-1], xf[0].shape[-1])), np.uint8)
@@ -133,7 +137,7 @@ def _worker(home, nt, ctr, x, positions, slots, tables, blk_seq, blk_row, blk_po
         if last:
             break
         e = table[li]
-        _panel_phase(ctr, at + step, home, nt, buffer, panels, e, 0, 3, xe, q, k, v, tmp, tmp2, wb, act)
+        _panel_phase(ctr, at + step, home, nt, buffer, panels, e, i64(0), i64(3), xe, q, k, v, tmp, tmp2, wb, act)
         qr, kr = (qn, kn) if q_norm.shape[1] else (q3, k3)
         _token_qkv(ctr, at + 2 * step, home, nt, li, q3, k3, v3, qr, kr, bq, bk, bv, q_norm, k_norm, lcfg, positions,
                    cos, sin, neox, eps, kvs[li].reshape(n_rec, KVH, 2, D), slots)
@@ -148,11 +152,11 @@ def _worker(home, nt, ctr, x, positions, slots, tables, blk_seq, blk_row, blk_po
         _finish(ctr, at + 3 * step, nt, done)
         _wait(ctr, at + 3 * step, nt, n)
         _quantize_phase(ctr, at + 4 * step, home, nt, a.reshape(T, H * D), xa)
-        _panel_phase(ctr, at + 5 * step, home, nt, buffer, panels, e, 3, 4, xa, o, o, o, tmp, tmp2, wb, act)
+        _panel_phase(ctr, at + 5 * step, home, nt, buffer, panels, e, i64(3), i64(4), xa, o, o, o, tmp, tmp2, wb, act)
         _token_rows(ctr, at + 6 * step, home, nt, x, o, post_attn, li, True, ffn_norm[li], True, eps, h, xe)
-        _panel_phase(ctr, at + 7 * step, home, nt, buffer, panels, e, 4, 5, xe, f, f, f, tmp, tmp2, wb, act)
+        _panel_phase(ctr, at + 7 * step, home, nt, buffer, panels, e, i64(4), i64(5), xe, f, f, f, tmp, tmp2, wb, act)
         _quantize_phase(ctr, at + 8 * step, home, nt, f, xf)
-        _panel_phase(ctr, at + 9 * step, home, nt, buffer, panels, e, 6, 7, xf, d, d, d, tmp, tmp2, wb, act)
+        _panel_phase(ctr, at + 9 * step, home, nt, buffer, panels, e, i64(6), i64(7), xf, d, d, d, tmp, tmp2, wb, act)
 
 
 @njit(cache=True)

@@ -892,9 +892,7 @@ if AMX:
         done = T // 16 * 16 if T >= _AMX_ROWS else 0
         if done:
             _panel_dots_amx(code, panel, xr, tmp, wb)
-        if done == 0:
-            _panel_dots(code, panel, xr, tmp)
-        elif done < T:
+        if done < T:  # one call site: the kernel's code is large
             _panel_dots(code, panel, (xr[0][done:], xr[1][done:], xr[2][done:], xr[3][done:]), tmp[done:])
 else:
     @njit(cache=True, inline="always")
