@@ -33,6 +33,7 @@ import sys
 
 import numpy as np
 
+from ..kernels import aligned
 from . import memory
 
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
@@ -40,13 +41,15 @@ _SPARES = memory.Spares(64 << 20)
 
 
 class _Probe:
-    """sys.getrefcount of a buffer that only its owner's attribute references (`_unshared`)."""
+    """sys.getrefcount of the memory of a buffer that only its owner's attribute references
+    (`_unshared`). A buffer is a view that starts on a cache line (aligned.empty), and every
+    view of it references the array that owns the memory (its `base`), which is counted."""
 
     def __init__(self):
-        self._buf = np.empty(0)
+        self._buf = aligned.empty(0)
 
     def refs(self) -> int:
-        return sys.getrefcount(self._buf)
+        return sys.getrefcount(self._buf.base)
 
 
 _UNSHARED_REFS = _Probe().refs()
@@ -105,11 +108,11 @@ class KVCache:
         memory.check_fits(self._nbytes(capacity), f"a {self.dtype} KV cache of {capacity} positions ({self.n_layers} "
                    f"layers x {self.n_kv_heads} KV heads x {self.head_dim})",
                    "use a shorter context" + (", or a float16 KV cache" if self.dtype == np.float32 else ""))
-        return np.empty(shape, dtype=self.dtype)
+        return aligned.empty(shape, self.dtype)  # records on cache lines, as the kernels read them
 
     def _unshared(self) -> bool:
         """Whether nothing but this cache references its buffer (no view of it is held)."""
-        return sys.getrefcount(self._buf) == _UNSHARED_REFS
+        return sys.getrefcount(self._buf.base) == _UNSHARED_REFS
 
     def __del__(self):
         # at interpreter exit this module's globals (sys, _SPARES) may be gone first: nothing to keep then

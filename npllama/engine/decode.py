@@ -28,6 +28,8 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import overload
 
+from ..kernels import aligned
+from ..kernels.aligned import _empty
 from ..kernels.attention import _BLOCK, _CHUNK, _chunk_span, _decode_chunk, _merge_chunks
 from ..kernels.paged_attention import _paged_block
 from ..kernels.f16 import _st, bits
@@ -194,15 +196,16 @@ class DecodePlan:
             chunks = max(_CHUNKS_PER_THREAD * threads, n_chunks, 2 * self._scratch_chunks)
             n_ff = int(self.table[0, 4, 2])  # the gate product's rows
             n_f32, n_i8 = _private_sizes(cfg.n_embd, cfg.n_head * D, n_ff, KVH, G, D, 1 if self.int8 else 3)
+            # on cache lines (npllama.aligned): `_private` cuts the arenas' rows at whole lines
             self._scratch = (
-                np.empty((cfg.n_layer, int(self.offs[-1])), np.float32),              # res
+                aligned.empty((cfg.n_layer, int(self.offs[-1])), np.float32),         # res
                 np.empty(cfg.n_layer * chunks * KVH * G, np.float32),                 # part_m
                 np.empty(cfg.n_layer * chunks * KVH * G, np.float32),                 # part_l
-                np.empty(cfg.n_layer * chunks * KVH * G * D, np.float32),             # part_acc
+                aligned.empty(cfg.n_layer * chunks * KVH * G * D, np.float32),        # part_acc
                 np.empty(_slot(cfg.n_layer + 1, 0, threads), np.int64),               # ctr
-                np.empty((threads, n_f32), np.float32),
+                aligned.empty((threads, n_f32), np.float32),
                 # the int8 arena: flat for int8 activations, (3, L) for int24 ones (`_form`)
-                np.empty((threads, n_i8) if self.int8 else (threads, 3, -(-n_i8 // 3)), np.int8),
+                aligned.empty((threads, n_i8) if self.int8 else (threads, 3, -(-n_i8 // 3)), np.int8),
                 np.empty((threads, _STEPS), np.int64),
             )
             self._scratch_threads = threads
@@ -644,10 +647,11 @@ def _fixed_chunks(ctr, home, nr, slot, pos, lo, q, kv, pages, ps, window, scale,
     q1 = q.reshape(1, KVH * G, D)
     m = np.empty((NG, 1, G), np.float32)
     l = np.empty((NG, 1, G), np.float32)
-    acc = np.empty((NG, 1, G, D), np.float32)
-    s = np.empty((1, G, _BLOCK), np.float32)
-    kb = np.empty((_BLOCK, D), np.float32)
-    vb = np.empty((_BLOCK, D), np.float32)
+    # the scratch on cache lines (npllama.aligned): the blocks are read a vector at a time
+    acc = _empty(NG * G * D, np.float32).reshape(NG, 1, G, D)
+    s = _empty(G * _BLOCK, np.float32).reshape(1, G, _BLOCK)
+    kb = _empty(_BLOCK * D, np.float32).reshape(_BLOCK, D)
+    vb = _empty(_BLOCK * D, np.float32).reshape(_BLOCK, D)
     offs = np.empty(_BLOCK, np.int64)
     done = 0
     while True:

@@ -20,6 +20,7 @@ from ..arch.weights import Layer, QWeight, f32
 from ..cache.kvcache import KVCache
 from ..errors import GGUFError, PositionError
 from ..gguf.reader import GGUFFile, ModelConfig
+from ..kernels import aligned
 from ..kernels.attention import attend
 from ..kernels.nn import rmsnorm
 from ..kernels.paged_attention import plan_blocks
@@ -237,7 +238,7 @@ class Transformer:
         (`GGUFFile.release`; a tied embedding's rows come back as tokens look them up)."""
         ws = {w.name: w for w in self.product_weights() if has_panels(w.qtype) and w.cols % 32 == 0}
         shapes = {n: panel_shape(w.qtype, w.rows, w.cols) for n, w in ws.items()}
-        arena = np.zeros(sum(p * b for p, b in shapes.values()), np.uint8)
+        arena = aligned.zeros(sum(p * b for p, b in shapes.values()), np.uint8)  # the panels on cache lines
         views, at = {}, 0
         for n, w in ws.items():
             p, b = shapes[n]

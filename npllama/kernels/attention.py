@@ -45,6 +45,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .aligned import _empty
 from .cpu import FEATURES
 from .f16 import _ld, _ld_row, bits
 from .nn import _exp, _ir_exp
@@ -575,13 +576,15 @@ def _decode_kernel(q, kv, t0, t1, qpos, window, scale, softcap, mask, use_mask, 
     # running state per (chunk, KV head), with the single query row as axis 2
     part_m = np.full((n_chunks, KVH, 1, G), -np.inf, dtype=np.float32)
     part_l = np.zeros((n_chunks, KVH, 1, G), dtype=np.float32)
-    part_acc = np.zeros((n_chunks, KVH, 1, G, D), dtype=np.float32)
+    part_acc = _empty(n_chunks * KVH * G * D, np.float32).reshape(n_chunks, KVH, 1, G, D)
+    part_acc[:] = 0.0
     for task in prange(KVH * n_chunks):
         g = task // n_chunks
         c = task % n_chunks
-        s = np.empty((1, G, _BLOCK), dtype=np.float32)
-        kb = np.empty((_BLOCK, D), dtype=np.float32)
-        vb = np.empty((_BLOCK, D), dtype=np.float32)
+        # the scratch on cache lines (npllama.aligned): the blocks are read a vector at a time
+        s = _empty(G * _BLOCK, np.float32).reshape(1, G, _BLOCK)
+        kb = _empty(_BLOCK * D, np.float32).reshape(_BLOCK, D)
+        vb = _empty(_BLOCK * D, np.float32).reshape(_BLOCK, D)
         lo = max(t0, (c0 + c) * _CHUNK)
         hi = min(t1, (c0 + c + 1) * _CHUNK)
         _accumulate(q, kv, 0, qpos, g, lo, hi, window, scale, softcap, mask, use_mask, alibi, use_alibi,
@@ -697,10 +700,12 @@ def _prefill_kernel(q, kv, kv_len, offset, window, scale, softcap, mask, use_mas
         c0, n_chunks = _chunk_span(t0, t1)
         m = np.full((n_chunks, R, G), -np.inf, dtype=np.float32)
         l = np.zeros((n_chunks, R, G), dtype=np.float32)
-        acc = np.zeros((n_chunks, R, G, D), dtype=np.float32)
-        s = np.empty((R, G, _BLOCK), dtype=np.float32)
-        kb = np.empty((_BLOCK, D), dtype=np.float32)
-        vb = np.empty((_BLOCK, D), dtype=np.float32)
+        # the scratch on cache lines (npllama.aligned): the blocks are read a vector at a time
+        acc = _empty(n_chunks * R * G * D, np.float32).reshape(n_chunks, R, G, D)
+        acc[:] = 0.0
+        s = _empty(R * G * _BLOCK, np.float32).reshape(R, G, _BLOCK)
+        kb = _empty(_BLOCK * D, np.float32).reshape(_BLOCK, D)
+        vb = _empty(_BLOCK * D, np.float32).reshape(_BLOCK, D)
         for c in range(n_chunks):
             lo = max(t0, (c0 + c) * _CHUNK)
             hi = min(t1, (c0 + c + 1) * _CHUNK)

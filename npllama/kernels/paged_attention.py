@@ -34,6 +34,7 @@ from numba.extending import overload
 
 from .attention import (_BLOCK, _CHUNK, _FASTMATH, _ROWS, _add_records, _add_values, _chunk_span, _merge_head,
                         _records_fit, _rescale, _score_block, _score_records)
+from .aligned import _empty
 from .f16 import _ld_row, _st, bits
 from .quants import _touch_lines
 
@@ -230,10 +231,12 @@ def _paged_task(task, per, q, kv, tables, blk_seq, blk_row, blk_pos, blk_len, sc
     c0, n_chunks = _chunk_span(max(0, pos0 - window + 1) if window > 0 else 0, pos0 + R)
     m = np.full((n_chunks, NG, R, G), -np.inf, dtype=np.float32)
     l = np.zeros((n_chunks, NG, R, G), dtype=np.float32)
-    acc = np.zeros((n_chunks, NG, R, G, D), dtype=np.float32)
-    s = np.empty((R, G, _BLOCK), dtype=np.float32)
-    kb = np.empty((_BLOCK, D), dtype=np.float32)
-    vb = np.empty((_BLOCK, D), dtype=np.float32)
+    # the scratch on cache lines (npllama.aligned): the blocks are read a vector at a time
+    acc = _empty(n_chunks * NG * R * G * D, np.float32).reshape(n_chunks, NG, R, G, D)
+    acc[:] = 0.0
+    s = _empty(R * G * _BLOCK, np.float32).reshape(R, G, _BLOCK)
+    kb = _empty(_BLOCK * D, np.float32).reshape(_BLOCK, D)
+    vb = _empty(_BLOCK * D, np.float32).reshape(_BLOCK, D)
     offs = np.empty(_BLOCK, dtype=np.int64)
     for c in range(n_chunks):
         _paged_block(q, kv, tables[blk_seq[k]], i0, pos0, g0, scale, window, (c0 + c) * _CHUNK,

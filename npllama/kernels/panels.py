@@ -116,6 +116,8 @@ from numba.extending import intrinsic, overload
 from .nn import _glu1
 from .quants import (_F32T, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q4_K, _Q5_0, _Q5_1, _Q5_K, _Q6_K, _Q8_0, _const_vec,
                      _ir_call, _ir_load, _ir_prefetch, _ir_splat, _is_c_array, _shuffle, _vec)
+from . import aligned
+from .aligned import _empty
 from .cpu import AMX
 from .quants_int8 import DOT_ISA, _ir_f16_vec, _quantize_x_q8
 
@@ -416,7 +418,7 @@ def empty_rows(T: int, n: int, int8: bool) -> tuple[np.ndarray, np.ndarray, np.n
     """Room for T activation rows of n values (xq, xd, xs, xi): of `_quantize_rows`' form
     (int8), or of `_quantize_rows_i24`'s (int8=False)."""
     planes = () if int8 else (3,)
-    return (np.empty((T, *planes, n), np.int8), np.empty((T, n // 32), np.float32),
+    return (aligned.empty((T, *planes, n), np.int8), np.empty((T, n // 32), np.float32),
             np.empty((T, n // 32), np.float32), np.empty((T, *planes, n // 16), np.int32))
 
 
@@ -953,7 +955,7 @@ def _matmul_panels(code, pw, rows, xr, out):
     """out (T, rows) = x @ W.T for the panels `pw` of a weight of `rows` rows, parallel over panels."""
     for i in prange(pw.shape[0]):
         p = np.int64(i)  # prange's index is unsigned in the parallel region: one signature of the callees
-        tmp = np.empty((xr[0].shape[0], PANEL), np.float32)
+        tmp = _empty(xr[0].shape[0] * PANEL, np.float32).reshape(xr[0].shape[0], PANEL)  # rows on cache lines
         wb = np.empty(weight_bytes(xr[0].shape[0], xr[0].shape[-1]), np.uint8)
         _panel_rows(code, pw, p, xr, tmp, wb)
         _store(tmp, out, p, rows)
@@ -965,7 +967,7 @@ def _qkv_panels(cq, pq, ck, pk, cv, pv, xr, q, k, v):
     nq, nk = pq.shape[0], pk.shape[0]
     for i in prange(nq + nk + pv.shape[0]):
         c = np.int64(i)  # as in _matmul_panels
-        tmp = np.empty((xr[0].shape[0], PANEL), np.float32)
+        tmp = _empty(xr[0].shape[0] * PANEL, np.float32).reshape(xr[0].shape[0], PANEL)
         wb = np.empty(weight_bytes(xr[0].shape[0], xr[0].shape[-1]), np.uint8)
         if c < nq:
             code, pw, out, p = cq, pq, q, c
@@ -983,8 +985,8 @@ def _gate_up_panels(cg, pg, cu, pu, xr, out, act):
     T, rows = out.shape
     for j in prange(pg.shape[0]):
         p = np.int64(j)  # as in _matmul_panels
-        g = np.empty((T, PANEL), np.float32)
-        u = np.empty((T, PANEL), np.float32)
+        g = _empty(T * PANEL, np.float32).reshape(T, PANEL)
+        u = _empty(T * PANEL, np.float32).reshape(T, PANEL)
         wb = np.empty(weight_bytes(xr[0].shape[0], xr[0].shape[-1]), np.uint8)
         for s in range(2):  # one call site: it is inlined
             _panel_rows(cg if s == 0 else cu, pg if s == 0 else pu, p, xr, g if s == 0 else u, wb)
