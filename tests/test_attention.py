@@ -3,7 +3,8 @@ import pytest
 
 from numba import njit
 
-from npllama.kernels.attention import (_BLOCK, _add_records, _add_values, _make_add_records, _make_add_rows,
+from npllama.kernels.attention import (_BLOCK, _add_records, _add_values, _add_values_many, _make_add_records,
+                                      _make_add_rows, _make_add_rows_many,
                                       _make_score_records, _make_score_rows, _rescale, _score_block, _score_records,
                                       attend, attend_kv)
 from npllama.kernels.f16 import bits
@@ -132,6 +133,56 @@ def test_block_routines_same_bits_at_every_pass_width(D):
     np.testing.assert_allclose(s, kb.astype(np.float64) @ q, rtol=0, atol=2e-6 * (np.abs(kb) @ np.abs(q)).max())
     np.testing.assert_allclose(a, a0 + pv.astype(np.float64) @ vb, rtol=0,
                                atol=2e-6 * (np.abs(a0) + np.abs(pv) @ np.abs(vb)).max())
+
+
+@njit(fastmath=True)
+def _values_one_by_one(a, pv, vb):
+    for r in range(a.shape[0]):
+        for g in range(a.shape[1]):
+            _add_values(a[r, g], pv[r, g], vb)
+
+
+@njit(fastmath=True)
+def _values_together(a, pv, vb):
+    _add_values_many(a, pv, vb)
+
+
+def _many_routine(many):
+    @njit
+    def run(a, pv, vb):
+        many(a, pv, vb)
+    return run
+
+
+_MANY = {(group, cols): _many_routine(_make_add_rows_many(cols, group))
+         for group, cols in ((1, 64), (2, 64), (3, 64), (2, 32), (4, 16))}
+
+
+@pytest.mark.parametrize("R, G", [(1, 1), (1, 3), (3, 1), (16, 3), (5, 7), (2, 4)])
+@pytest.mark.parametrize("D", [40, 64, 128])
+def test_values_of_many_rows_same_bits_as_one_at_a_time(R, G, D):
+    """`_add_values_many` (prefill's weighted values: rows sharing each value row's loads,
+    `_add_rows_many`) gives each (row, head) the bits of `_add_values` alone, at every group
+    width (and its rest of rows) and column width, and float64 NumPy's sums; a head size of
+    40 takes `_add_values` itself."""
+    rng = np.random.default_rng(R * 100 + G * 10 + D)
+    vb = rng.standard_normal((_BLOCK, D)).astype(np.float32)
+    pv = rng.random((R, G, _BLOCK)).astype(np.float32)
+    pv[0, 0, :4] = 0.0
+    pv[-1, -1, 3] = -0.5
+    a0 = (rng.standard_normal((R, G, D)) * 3).astype(np.float32)
+    want = a0.copy()
+    _values_one_by_one(want, pv, vb)
+    got = a0.copy()
+    _values_together(got, pv, vb)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    if D % 64 == 0:
+        for many in _MANY.values():
+            got = a0.reshape(R * G, D).copy()
+            many(got, pv.reshape(R * G, _BLOCK), vb)
+            np.testing.assert_array_equal(got.reshape(R, G, D).view(np.uint32), want.view(np.uint32))
+    ref = a0 + pv.astype(np.float64) @ vb.astype(np.float64)
+    np.testing.assert_allclose(want, ref, rtol=0, atol=2e-6 * (np.abs(a0) + np.abs(pv) @ np.abs(vb)).max())
 
 
 @njit(fastmath=True)

@@ -250,10 +250,36 @@ def _make_score_rows(keys: int):
     return score_rows
 
 
+def _ir_add_rows(builder, rows, vp, D, n_keys, cols):
+    """The IR of `_add_rows` for the output rows `rows`, pairs (a, pv) of pointers (each a's D
+    floats and pv's n_keys weights), sharing each load of the value rows vp (n_keys, D):
+    per row and column, even and odd keys in two chains (the first from a, the second from
+    0) added at the end, whatever the number of rows."""
+    nv = cols // 16
+    c = lambda v: ir.Constant(D.type, v)  # noqa: E731
+    with cgutils.for_range_slice(builder, c(0), D, c(cols), inc=True) as (d0, _):
+        acc = [[cgutils.alloca_once_value(builder, _ir_load(builder, a, builder.add(d0, c(16 * k)), _V16, 4)
+                                          if e == 0 else ir.Constant(_V16, [0.0] * 16))
+                for e in range(2) for k in range(nv)] for a, _ in rows]
+        with cgutils.for_range_slice(builder, c(0), n_keys, c(2), inc=True) as (j0, _):
+            for e in range(2):
+                j = builder.add(j0, c(e))
+                at = builder.add(builder.mul(j, D), d0)
+                vs = [_ir_load(builder, vp, builder.add(at, c(16 * k)), _V16, 4) for k in range(nv)]
+                for (_, pv), ra in zip(rows, acc):
+                    p = _ir_splat(builder, _ir_load(builder, pv, j, _F32T, 4), 16)
+                    for k in range(nv):
+                        builder.store(_ir_fma16(builder, p, vs[k], builder.load(ra[nv * e + k])), ra[nv * e + k])
+        for (a, _), ra in zip(rows, acc):
+            for k in range(nv):
+                out = builder.bitcast(builder.gep(a, [builder.add(d0, c(16 * k))]), _V16.as_pointer())
+                builder.store(builder.fadd(builder.load(ra[k]), builder.load(ra[nv + k]), flags=_IR_FLAGS),
+                              out, align=4)
+
+
 def _make_add_rows(cols: int):
     """`_add_rows` adding `cols` (a multiple of 16 dividing 64) columns a pass: the same sums
     whatever `cols`."""
-    nv = cols // 16
 
     @intrinsic
     def add_rows(typingctx, a, pv, vb):
@@ -267,24 +293,7 @@ def _make_add_rows(cols: int):
         def codegen(context, builder, sig, args):
             aa, pa, va = (context.make_array(t)(context, builder, x) for t, x in zip(sig.args, args))
             D = builder.extract_value(aa.shape, 0)
-            c = lambda v: ir.Constant(D.type, v)  # noqa: E731
-            with cgutils.for_range_slice(builder, c(0), D, c(cols), inc=True) as (d0, _):
-                acc = [cgutils.alloca_once_value(builder, _ir_load(builder, aa.data, builder.add(d0, c(16 * k)), _V16,
-                                                                   4) if e == 0 else ir.Constant(_V16, [0.0] * 16))
-                       for e in range(2) for k in range(nv)]
-                n_keys = builder.extract_value(pa.shape, 0)
-                with cgutils.for_range_slice(builder, c(0), n_keys, c(2), inc=True) as (j0, _):
-                    for e in range(2):
-                        j = builder.add(j0, c(e))
-                        p = _ir_splat(builder, _ir_load(builder, pa.data, j, _F32T, 4), 16)
-                        row = builder.add(builder.mul(j, D), d0)
-                        for k in range(nv):
-                            v = _ir_load(builder, va.data, builder.add(row, c(16 * k)), _V16, 4)
-                            builder.store(_ir_fma16(builder, p, v, builder.load(acc[nv * e + k])), acc[nv * e + k])
-                for k in range(nv):
-                    out = builder.bitcast(builder.gep(aa.data, [builder.add(d0, c(16 * k))]), _V16.as_pointer())
-                    builder.store(builder.fadd(builder.load(acc[k]), builder.load(acc[nv + k]), flags=_IR_FLAGS),
-                                  out, align=4)
+            _ir_add_rows(builder, [(aa.data, pa.data)], va.data, D, builder.extract_value(pa.shape, 0), cols)
             return context.get_dummy_value()
 
         return types.none(a, pv, vb), codegen
@@ -292,13 +301,53 @@ def _make_add_rows(cols: int):
     return add_rows
 
 
+def _make_add_rows_many(cols: int, group: int):
+    """`_add_rows_many` adding `cols` columns a pass for `group` output rows at a time."""
+
+    @intrinsic
+    def add_rows_many(typingctx, a, pv, vb):
+        """a[i] += sum_j pv[i, j] vb[j] for every row i of a (N, D) and pv (N, keys), keys even
+        and D a multiple of 64 (C-contiguous float32): `_add_rows` for each row, `group` rows
+        sharing each load of a value row (a row's sums are `_add_rows`', so the same bits)."""
+        if not (_is_c_array(a, types.float32, 2) and _is_c_array(pv, types.float32, 2)
+                and _is_c_array(vb, types.float32, 2)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            aa, pa, va = (context.make_array(t)(context, builder, x) for t, x in zip(sig.args, args))
+            N, D = (builder.extract_value(aa.shape, i) for i in range(2))
+            n_keys = builder.extract_value(pa.shape, 1)
+            c = lambda v: ir.Constant(D.type, v)  # noqa: E731
+
+            def rows_from(i0, k):
+                return [(builder.gep(aa.data, [builder.mul(builder.add(i0, c(r)), D)]),
+                         builder.gep(pa.data, [builder.mul(builder.add(i0, c(r)), n_keys)])) for r in range(k)]
+
+            whole = builder.mul(builder.sdiv(N, c(group)), c(group))
+            with cgutils.for_range_slice(builder, c(0), whole, c(group), inc=True) as (i0, _):
+                _ir_add_rows(builder, rows_from(i0, group), va.data, D, n_keys, cols)
+            with cgutils.for_range_slice(builder, whole, N, c(1), inc=True) as (i0, _):
+                _ir_add_rows(builder, rows_from(i0, 1), va.data, D, n_keys, cols)
+            return context.get_dummy_value()
+
+        return types.none(a, pv, vb), codegen
+
+    return add_rows_many
+
+
 # Keys a pass of `_score_rows` scores and columns a pass of `_add_rows` adds: their
 # accumulators (16 lanes each) fit AVX-512's 32 vector registers at 16 keys and 64 columns;
 # with AVX2's 16 registers of half the width LLVM spilled those, and 4 keys and 32 columns
 # ran a 4,000-token prompt's attention in 0.72-0.76x the time (bench/RESULTS.md)
+#
+# `_add_rows_many` takes three rows at a time with AVX-512 (their 24 accumulators, the value
+# row's four vectors and the three weights: 31 of the 32 registers), two with AVX2. On an Intel
+# Xeon (one thread, a prefill block's 48 rows and heads, scratch on cache lines) the values
+# took 0.83x the time of a row at a time with three, 0.89x with two and 1.07x with four.
 _WIDE = "avx512f" in FEATURES
 _score_rows = _make_score_rows(16 if _WIDE else 4)
 _add_rows = _make_add_rows(64 if _WIDE else 32)
+_add_rows_many = _make_add_rows_many(64, 3) if _WIDE else _make_add_rows_many(32, 2)
 
 
 # ---------------------------------------------------------------------------------------
@@ -494,6 +543,20 @@ def _add_values(a, pv, vb):
             a[d] += p0 * vb[j, d] + p1 * vb[j + 1, d] + p2 * vb[j + 2, d] + p3 * vb[j + 3, d]
 
 
+@njit(fastmath=_FASTMATH, cache=True, inline="always")
+def _add_values_many(a, pv, vb):
+    """a[r, g] += sum_j pv[r, g, j] vb[j] for every row r and head g of a (R, G, D) and pv (R, G,
+    _BLOCK): `_add_rows_many` where D is a multiple of 64 (sharing each value row's loads among
+    rows), else `_add_values` for each: the same bits either way."""
+    if a.shape[2] % 64 == 0 and pv.shape[2] % 2 == 0:
+        R, G, D = a.shape
+        _add_rows_many(a.reshape(R * G, D), pv.reshape(R * G, pv.shape[2]), vb)
+        return
+    for r in range(a.shape[0]):
+        for g in range(a.shape[1]):
+            _add_values(a[r, g], pv[r, g], vb)
+
+
 @njit(fastmath=_FASTMATH, cache=True)
 def _accumulate(q, kv, i0, pos0, g, t0, t1, window, scale, softcap, mask, use_mask, alibi, use_alibi,
                 m, l, acc, s, kb, vb):
@@ -548,9 +611,7 @@ def _accumulate(q, kv, i0, pos0, g, t0, t1, window, scale, softcap, mask, use_ma
                         x += mask[i, t]
                     s[r, gh, j] = x
         _rescale(s, n, m, l, acc)  # running state rescaled, scores turned into weights
-        for r in range(R):
-            for gh in range(G):
-                _add_values(acc[r, gh], s[r, gh], vb)
+        _add_values_many(acc, s, vb)
 
 
 @njit(cache=True)

@@ -32,7 +32,7 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import overload
 
-from .attention import (_BLOCK, _CHUNK, _FASTMATH, _ROWS, _add_records, _add_values, _chunk_span, _merge_head,
+from .attention import (_BLOCK, _CHUNK, _FASTMATH, _ROWS, _add_records, _add_values, _add_values_many, _chunk_span, _merge_head,
                         _records_fit, _rescale, _score_block, _score_records)
 from .aligned import _empty
 from .f16 import _ld_row, _st, bits
@@ -103,9 +103,7 @@ def _fold_rows(q, kv, table, i0, pos0, g, first, scale, b0, n, m, l, acc, s, kb,
         # the row sees keys b0+lo .. b0+hi-1
         _scale_and_mask(s[r], max(0, min(_BLOCK, first + r - b0)), max(0, min(n, pos0 + r - b0 + 1)), scale)
     _rescale(s, n, m, l, acc)
-    for r in range(R):
-        for gh in range(G):
-            _add_values(acc[r, gh], s[r, gh], vb)
+    _add_values_many(acc, s, vb)
 
 
 def _fold_row(q, kv, table, i0, pos0, g, first, scale, b0, n, m, l, acc, s, kb, vb, offs):  # pragma: no cover
