@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..kernels import aligned
 from ..kernels.nn import ACTS
 from ..kernels.panels import _gate_up_panels, _matmul_panels, _qkv_panels, activation_rows
 from ..kernels.rows import _gate_up_rows, _matmul_rows, _qkv_rows, _rmsnorm_rows, _rope_rows
@@ -52,7 +53,7 @@ class PanelOps(block.Ops):
         if pw is None:
             return _product_rows(w, h)
         xr = activation_rows(h, self.int8)
-        out = np.empty((h.shape[0], w.rows), np.float32)
+        out = aligned.empty((h.shape[0], w.rows), np.float32)  # a panel's rows on cache lines
         _matmul_panels(int(w.qtype), pw, w.rows, xr, out)
         return out
 
@@ -68,9 +69,9 @@ class PanelOps(block.Ops):
         if not rows and any(p is None for p in ps):  # some with panels, some without: one product each
             return block.Ops.qkv(self, L, h)
         T = h.shape[0]
-        q = np.empty((T, L.wq.rows), np.float32)
-        k = np.empty((T, L.wk.rows), np.float32)
-        v = np.empty((T, L.wv.rows), np.float32)
+        q = aligned.empty((T, L.wq.rows), np.float32)
+        k = aligned.empty((T, L.wk.rows), np.float32)
+        v = aligned.empty((T, L.wv.rows), np.float32)
         if rows:
             _qkv_rows(int(L.wq.qtype), L.wq.data, int(L.wk.qtype), L.wk.data, int(L.wv.qtype), L.wv.data, h, q, k, v)
         else:
@@ -82,7 +83,7 @@ class PanelOps(block.Ops):
         pg, pu = self.panels(gate), self.panels(up)
         if (pg is None) != (pu is None):  # one with panels, one without: one product each
             return block.Ops.glu(self, gate, up, h)
-        out = np.empty((h.shape[0], gate.rows), np.float32)
+        out = aligned.empty((h.shape[0], gate.rows), np.float32)
         if pg is None:
             _gate_up_rows(int(gate.qtype), gate.data, int(up.qtype), up.data, h, out, self.act)
         else:

@@ -127,7 +127,7 @@ def _worker(home, nt, ctr, x, positions, slots, tables, blk_seq, blk_row, blk_po
     i64 = np.int64
     tmp = _empty(T * PANEL, np.float32).reshape(T, PANEL)
     tmp2 = _empty(T * PANEL, np.float32).reshape(T, PANEL)
-    wb = np.empty(weight_bytes(T, max(xe[0].shape[-1], xa[0].shape[-1], xf[0].shape[-1])), np.uint8)
+    wb = _empty(weight_bytes(T, max(xe[0].shape[-1], xa[0].shape[-1], xf[0].shape[-1])), np.uint8)
     q3, k3, v3 = q.reshape(T, H, D), k.reshape(T, KVH, D), v.reshape(T, KVH, D)
     per = _task_heads(KVH, blk_seq.shape[0])
     for li in range(n_layer + 1):

@@ -956,7 +956,7 @@ def _matmul_panels(code, pw, rows, xr, out):
     for i in prange(pw.shape[0]):
         p = np.int64(i)  # prange's index is unsigned in the parallel region: one signature of the callees
         tmp = _empty(xr[0].shape[0] * PANEL, np.float32).reshape(xr[0].shape[0], PANEL)  # rows on cache lines
-        wb = np.empty(weight_bytes(xr[0].shape[0], xr[0].shape[-1]), np.uint8)
+        wb = _empty(weight_bytes(xr[0].shape[0], xr[0].shape[-1]), np.uint8)
         _panel_rows(code, pw, p, xr, tmp, wb)
         _store(tmp, out, p, rows)
 
@@ -968,7 +968,7 @@ def _qkv_panels(cq, pq, ck, pk, cv, pv, xr, q, k, v):
     for i in prange(nq + nk + pv.shape[0]):
         c = np.int64(i)  # as in _matmul_panels
         tmp = _empty(xr[0].shape[0] * PANEL, np.float32).reshape(xr[0].shape[0], PANEL)
-        wb = np.empty(weight_bytes(xr[0].shape[0], xr[0].shape[-1]), np.uint8)
+        wb = _empty(weight_bytes(xr[0].shape[0], xr[0].shape[-1]), np.uint8)
         if c < nq:
             code, pw, out, p = cq, pq, q, c
         elif c < nq + nk:
@@ -987,7 +987,7 @@ def _gate_up_panels(cg, pg, cu, pu, xr, out, act):
         p = np.int64(j)  # as in _matmul_panels
         g = _empty(T * PANEL, np.float32).reshape(T, PANEL)
         u = _empty(T * PANEL, np.float32).reshape(T, PANEL)
-        wb = np.empty(weight_bytes(xr[0].shape[0], xr[0].shape[-1]), np.uint8)
+        wb = _empty(weight_bytes(xr[0].shape[0], xr[0].shape[-1]), np.uint8)
         for s in range(2):  # one call site: it is inlined
             _panel_rows(cg if s == 0 else cu, pg if s == 0 else pu, p, xr, g if s == 0 else u, wb)
         _glu_store(g, u, out, p, act)
