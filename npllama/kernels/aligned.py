@@ -5,9 +5,9 @@ and Numba's at 32. A 64-byte vector load or store (AVX-512) from an address that
 multiple of 64 touches two cache lines and costs two of the core's loads or stores. The
 kernels read their hot arrays a whole vector at a time: the panel arena, a KV buffer's
 records, attention's blocks of keys and values, the activations. On an Intel Xeon with
-AVX-512 (two threads) a prefill's attention over 2,048 positions took 28-31 ms with its
-float32 scratch on cache lines and 29-42 ms without: which of them straddled two depended on
-where the allocator put them.
+AVX-512 (two threads) a prefill's attention over 2,048 positions took 27.6-29.3 ms with its
+float32 scratch on cache lines and 28.8-40.5 ms without (fresh processes): which blocks
+straddled two lines depended on where the allocator put them.
 
 * ``empty(shape, dtype)`` / ``zeros(shape, dtype)``: NumPy's, on a cache line (Python level);
 * ``_empty(n, dtype)``: a 1-D array of n elements on a cache line (njit level; reshape it).
