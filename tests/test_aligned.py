@@ -28,9 +28,9 @@ def test_arrays_made_one_after_another_do_not_overlap():
 
 @njit
 def _made_in_compiled_code(n):
-    a = _empty(n, np.float32)
-    b = _empty(n, np.int64)
-    c = _empty(n, np.uint8).reshape(1, n)
+    a = _empty((n,), np.float32)
+    b = _empty((n,), np.int64)
+    c = _empty((1, n), np.uint8)
     a[:] = 1.5
     b[:] = 7
     c[:] = 3

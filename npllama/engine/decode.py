@@ -648,10 +648,10 @@ def _fixed_chunks(ctr, home, nr, slot, pos, lo, q, kv, pages, ps, window, scale,
     m = np.empty((NG, 1, G), np.float32)
     l = np.empty((NG, 1, G), np.float32)
     # the scratch on cache lines (npllama.aligned): the blocks are read a vector at a time
-    acc = _empty(NG * G * D, np.float32).reshape(NG, 1, G, D)
-    s = _empty(G * _BLOCK, np.float32).reshape(1, G, _BLOCK)
-    kb = _empty(_BLOCK * D, np.float32).reshape(_BLOCK, D)
-    vb = _empty(_BLOCK * D, np.float32).reshape(_BLOCK, D)
+    acc = _empty((NG, 1, G, D), np.float32)
+    s = _empty((1, G, _BLOCK), np.float32)
+    kb = _empty((_BLOCK, D), np.float32)
+    vb = _empty((_BLOCK, D), np.float32)
     offs = np.empty(_BLOCK, np.int64)
     done = 0
     while True:

@@ -84,16 +84,16 @@ def _layers(x, positions, slots, tables, blk_seq, blk_row, blk_pos, blk_len, buf
     KVH, D = kvs.shape[3], kvs.shape[5]
     e = table[0]
     # the activations on cache lines (npllama.aligned), as their rows are read a vector at a time
-    h = _empty(T * n_embd, np.float32).reshape(T, n_embd)
-    q = _empty(T * e[0, 2], np.float32).reshape(T, e[0, 2])
-    k = _empty(T * e[1, 2], np.float32).reshape(T, e[1, 2])
-    v = _empty(T * e[2, 2], np.float32).reshape(T, e[2, 2])
-    qn = _empty(T * H * D, np.float32).reshape(T, H, D)  # q and k after their norms (q_norm), else unused
-    kn = _empty(T * KVH * D, np.float32).reshape(T, KVH, D)
-    a = _empty(T * H * D, np.float32).reshape(T, H, D)
-    o = _empty(T * e[3, 2], np.float32).reshape(T, e[3, 2])
-    f = _empty(T * e[4, 2], np.float32).reshape(T, e[4, 2])
-    d = _empty(T * e[6, 2], np.float32).reshape(T, e[6, 2])
+    h = _empty((T, n_embd), np.float32)
+    q = _empty((T, e[0, 2]), np.float32)
+    k = _empty((T, e[1, 2]), np.float32)
+    v = _empty((T, e[2, 2]), np.float32)
+    qn = _empty((T, H, D), np.float32)  # q and k after their norms (q_norm), else unused
+    kn = _empty((T, KVH, D), np.float32)
+    a = _empty((T, H, D), np.float32)
+    o = _empty((T, e[3, 2]), np.float32)
+    f = _empty((T, e[4, 2]), np.float32)
+    d = _empty((T, e[6, 2]), np.float32)
     ctr = np.empty((n_layer * _PHASES + 1) * phase_size(nt), np.int64)
     for i in range(ctr.shape[0]):  # a loop, which stays serial (np.zeros would be a region of its own)
         ctr[i] = 0
@@ -125,9 +125,9 @@ def _worker(home, nt, ctr, x, positions, slots, tables, blk_seq, blk_row, blk_po
     # each literal it is called with, and each of _panel_phase's compiled versions would
     # carry its own copy of the panel kernels' code (inlined, `panels._panel_rows`)
     i64 = np.int64
-    tmp = _empty(T * PANEL, np.float32).reshape(T, PANEL)
-    tmp2 = _empty(T * PANEL, np.float32).reshape(T, PANEL)
-    wb = _empty(weight_bytes(T, max(xe[0].shape[-1], xa[0].shape[-1], xf[0].shape[-1])), np.uint8)
+    tmp = _empty((T, PANEL), np.float32)
+    tmp2 = _empty((T, PANEL), np.float32)
+    wb = _empty((weight_bytes(T, max(xe[0].shape[-1], xa[0].shape[-1], xf[0].shape[-1])),), np.uint8)
     q3, k3, v3 = q.reshape(T, H, D), k.reshape(T, KVH, D), v.reshape(T, KVH, D)
     per = _task_heads(KVH, blk_seq.shape[0])
     for li in range(n_layer + 1):

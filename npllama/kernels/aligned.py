@@ -10,12 +10,12 @@ float32 scratch on cache lines and 28.8-40.5 ms without (fresh processes): which
 straddled two lines depended on where the allocator put them.
 
 * ``empty(shape, dtype)`` / ``zeros(shape, dtype)``: NumPy's, on a cache line (Python level);
-* ``_empty(n, dtype)``: a 1-D array of n elements on a cache line (njit level; reshape it).
+* ``_empty(shape, dtype)``: np.empty's, on a cache line (njit level; `shape` a tuple).
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import literal_unroll, njit
 
 __all__ = ["LINE", "empty", "zeros"]
 
@@ -45,8 +45,11 @@ def zeros(shape, dtype=np.float32) -> np.ndarray:
 
 
 @njit(cache=True)
-def _empty(n, dtype):
-    """A 1-D uninitialized array of n elements of `dtype` starting on a cache line."""
+def _empty(shape, dtype):
+    """An uninitialized array of `shape` (a tuple) and `dtype` starting on a cache line."""
+    n = 1
+    for s in literal_unroll(shape):
+        n *= s
     buf = np.empty(n + LINE, dtype)  # LINE elements more: at least LINE bytes
     at = (-buf.ctypes.data % LINE) // buf.itemsize
-    return buf[at:at + n]
+    return buf[at:at + n].reshape(shape)

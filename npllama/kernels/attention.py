@@ -637,15 +637,15 @@ def _decode_kernel(q, kv, t0, t1, qpos, window, scale, softcap, mask, use_mask, 
     # running state per (chunk, KV head), with the single query row as axis 2
     part_m = np.full((n_chunks, KVH, 1, G), -np.inf, dtype=np.float32)
     part_l = np.zeros((n_chunks, KVH, 1, G), dtype=np.float32)
-    part_acc = _empty(n_chunks * KVH * G * D, np.float32).reshape(n_chunks, KVH, 1, G, D)
+    part_acc = _empty((n_chunks, KVH, 1, G, D), np.float32)
     part_acc[:] = 0.0
     for task in prange(KVH * n_chunks):
         g = task // n_chunks
         c = task % n_chunks
         # the scratch on cache lines (npllama.aligned): the blocks are read a vector at a time
-        s = _empty(G * _BLOCK, np.float32).reshape(1, G, _BLOCK)
-        kb = _empty(_BLOCK * D, np.float32).reshape(_BLOCK, D)
-        vb = _empty(_BLOCK * D, np.float32).reshape(_BLOCK, D)
+        s = _empty((1, G, _BLOCK), np.float32)
+        kb = _empty((_BLOCK, D), np.float32)
+        vb = _empty((_BLOCK, D), np.float32)
         lo = max(t0, (c0 + c) * _CHUNK)
         hi = min(t1, (c0 + c + 1) * _CHUNK)
         _accumulate(q, kv, 0, qpos, g, lo, hi, window, scale, softcap, mask, use_mask, alibi, use_alibi,
@@ -762,11 +762,11 @@ def _prefill_kernel(q, kv, kv_len, offset, window, scale, softcap, mask, use_mas
         m = np.full((n_chunks, R, G), -np.inf, dtype=np.float32)
         l = np.zeros((n_chunks, R, G), dtype=np.float32)
         # the scratch on cache lines (npllama.aligned): the blocks are read a vector at a time
-        acc = _empty(n_chunks * R * G * D, np.float32).reshape(n_chunks, R, G, D)
+        acc = _empty((n_chunks, R, G, D), np.float32)
         acc[:] = 0.0
-        s = _empty(R * G * _BLOCK, np.float32).reshape(R, G, _BLOCK)
-        kb = _empty(_BLOCK * D, np.float32).reshape(_BLOCK, D)
-        vb = _empty(_BLOCK * D, np.float32).reshape(_BLOCK, D)
+        s = _empty((R, G, _BLOCK), np.float32)
+        kb = _empty((_BLOCK, D), np.float32)
+        vb = _empty((_BLOCK, D), np.float32)
         for c in range(n_chunks):
             lo = max(t0, (c0 + c) * _CHUNK)
             hi = min(t1, (c0 + c + 1) * _CHUNK)

@@ -32,7 +32,7 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import overload
 
-from .attention import (_BLOCK, _CHUNK, _FASTMATH, _ROWS, _add_records, _add_values, _add_values_many, _chunk_span, _merge_head,
+from .attention import (_BLOCK, _CHUNK, _FASTMATH, _ROWS, _add_records, _add_values_many, _chunk_span, _merge_head,
                         _records_fit, _rescale, _score_block, _score_records)
 from .aligned import _empty
 from .f16 import _ld_row, _st, bits
@@ -230,11 +230,11 @@ def _paged_task(task, per, q, kv, tables, blk_seq, blk_row, blk_pos, blk_len, sc
     m = np.full((n_chunks, NG, R, G), -np.inf, dtype=np.float32)
     l = np.zeros((n_chunks, NG, R, G), dtype=np.float32)
     # the scratch on cache lines (npllama.aligned): the blocks are read a vector at a time
-    acc = _empty(n_chunks * NG * R * G * D, np.float32).reshape(n_chunks, NG, R, G, D)
+    acc = _empty((n_chunks, NG, R, G, D), np.float32)
     acc[:] = 0.0
-    s = _empty(R * G * _BLOCK, np.float32).reshape(R, G, _BLOCK)
-    kb = _empty(_BLOCK * D, np.float32).reshape(_BLOCK, D)
-    vb = _empty(_BLOCK * D, np.float32).reshape(_BLOCK, D)
+    s = _empty((R, G, _BLOCK), np.float32)
+    kb = _empty((_BLOCK, D), np.float32)
+    vb = _empty((_BLOCK, D), np.float32)
     offs = np.empty(_BLOCK, dtype=np.int64)
     for c in range(n_chunks):
         _paged_block(q, kv, tables[blk_seq[k]], i0, pos0, g0, scale, window, (c0 + c) * _CHUNK,

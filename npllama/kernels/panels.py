@@ -955,8 +955,8 @@ def _matmul_panels(code, pw, rows, xr, out):
     """out (T, rows) = x @ W.T for the panels `pw` of a weight of `rows` rows, parallel over panels."""
     for i in prange(pw.shape[0]):
         p = np.int64(i)  # prange's index is unsigned in the parallel region: one signature of the callees
-        tmp = _empty(xr[0].shape[0] * PANEL, np.float32).reshape(xr[0].shape[0], PANEL)  # rows on cache lines
-        wb = _empty(weight_bytes(xr[0].shape[0], xr[0].shape[-1]), np.uint8)
+        tmp = _empty((xr[0].shape[0], PANEL), np.float32)  # rows on cache lines
+        wb = _empty((weight_bytes(xr[0].shape[0], xr[0].shape[-1]),), np.uint8)
         _panel_rows(code, pw, p, xr, tmp, wb)
         _store(tmp, out, p, rows)
 
@@ -967,8 +967,8 @@ def _qkv_panels(cq, pq, ck, pk, cv, pv, xr, q, k, v):
     nq, nk = pq.shape[0], pk.shape[0]
     for i in prange(nq + nk + pv.shape[0]):
         c = np.int64(i)  # as in _matmul_panels
-        tmp = _empty(xr[0].shape[0] * PANEL, np.float32).reshape(xr[0].shape[0], PANEL)
-        wb = _empty(weight_bytes(xr[0].shape[0], xr[0].shape[-1]), np.uint8)
+        tmp = _empty((xr[0].shape[0], PANEL), np.float32)
+        wb = _empty((weight_bytes(xr[0].shape[0], xr[0].shape[-1]),), np.uint8)
         if c < nq:
             code, pw, out, p = cq, pq, q, c
         elif c < nq + nk:
@@ -985,9 +985,9 @@ def _gate_up_panels(cg, pg, cu, pu, xr, out, act):
     T, rows = out.shape
     for j in prange(pg.shape[0]):
         p = np.int64(j)  # as in _matmul_panels
-        g = _empty(T * PANEL, np.float32).reshape(T, PANEL)
-        u = _empty(T * PANEL, np.float32).reshape(T, PANEL)
-        wb = _empty(weight_bytes(xr[0].shape[0], xr[0].shape[-1]), np.uint8)
+        g = _empty((T, PANEL), np.float32)
+        u = _empty((T, PANEL), np.float32)
+        wb = _empty((weight_bytes(xr[0].shape[0], xr[0].shape[-1]),), np.uint8)
         for s in range(2):  # one call site: it is inlined
             _panel_rows(cg if s == 0 else cu, pg if s == 0 else pu, p, xr, g if s == 0 else u, wb)
         _glu_store(g, u, out, p, act)
