@@ -1,0 +1,113 @@
+"""npllama's kernels load from Numba's cache with their bitcode unparsed until a compile links
+them (kernels/cacheload.py); other functions keep Numba's own loading."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import llvmlite.binding as ll
+import numpy as np
+import pytest
+from numba import njit
+from numba.core import caching
+
+from npllama.kernels import cacheload, nn
+
+pytestmark = pytest.mark.timeout(300)
+
+# Run twice with one NUMBA_CACHE_DIR: the first process compiles and saves, the second loads.
+# It prints, as JSON, what it saw of npllama's _rmsnorm_row and of a cached function of its own.
+SCRIPT = textwrap.dedent('''
+    import json, sys
+    import numpy as np
+    from numba import njit
+    from npllama.kernels import cacheload, nn
+    sys.path.insert(0, sys.argv[1])
+    import usermod
+
+    x = np.linspace(-2, 3, 37).astype(np.float32)
+    w = np.linspace(0.5, 1.5, 37).astype(np.float32)
+    out = np.empty_like(x)
+    nn._rmsnorm_row(x, w, np.float32(1e-5), out)
+    (cres,) = nn._rmsnorm_row.overloads.values()
+    lib = cres.library
+    seen = {"hits": sum(nn._rmsnorm_row.stats.cache_hits.values()), "lazy": isinstance(lib, cacheload._LazyBitcode),
+            "unparsed": getattr(lib, "_bitcode", None) is not None, "out": out.tolist()}
+
+    @njit
+    def caller(x, w, out):  # compiled here: links _rmsnorm_row's module in
+        nn._rmsnorm_row(x, w, np.float32(1e-5), out)
+        return out.sum()
+
+    out2 = np.empty_like(x)
+    seen["caller"] = float(caller(x, w, out2))
+    seen["caller_out"] = out2.tolist()
+    seen["parsed_after_link"] = getattr(lib, "_bitcode", None) is None and lib._shared_module is not None
+    seen["user"] = float(usermod.add_one(np.arange(5.0)).sum())
+    (ucres,) = usermod.add_one.overloads.values()
+    seen["user_hits"] = sum(usermod.add_one.stats.cache_hits.values())
+    seen["user_lazy"] = isinstance(ucres.library, cacheload._LazyBitcode)
+    print(json.dumps(seen))
+''')
+
+USERMOD = textwrap.dedent('''
+    from numba import njit
+
+    @njit(cache=True)
+    def add_one(x):
+        return x + 1.0
+''')
+
+
+def _rmsnorm(x, w, eps):
+    x64 = x.astype(np.float64)
+    r = np.float32(1.0 / np.sqrt((x64 * x64).sum() / len(x) + eps))
+    return (x * r) * w
+
+
+def test_a_cached_kernel_loads_unparsed_and_parses_when_linked(tmp_path):
+    (tmp_path / "usermod.py").write_text(USERMOD)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    runs = [json.loads(subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], env=env, capture_output=True,
+                                      text=True, check=True).stdout.splitlines()[-1]) for _ in range(2)]
+    first, second = runs
+    assert first["hits"] == 0 and second["hits"] == 1  # compiled and saved, then loaded
+    assert not first["lazy"] and second["lazy"]
+    assert second["unparsed"]
+    assert second["parsed_after_link"]  # a compile linking the kernel parsed its bitcode
+    x = np.linspace(-2, 3, 37).astype(np.float32)
+    w = np.linspace(0.5, 1.5, 37).astype(np.float32)
+    want = _rmsnorm(x, w, np.float32(1e-5))
+    for run in runs:
+        np.testing.assert_allclose(run["out"], want, rtol=2e-6)
+        assert run["caller_out"] == run["out"]
+        assert run["caller"] == pytest.approx(float(np.sum(run["out"], dtype=np.float32)), rel=1e-6)
+        assert run["user"] == 15.0
+    # a function outside npllama is saved and loaded by Numba's own code
+    assert first["user_hits"] == 0 and second["user_hits"] == 1
+    assert not first["user_lazy"] and not second["user_lazy"]
+
+
+def test_the_names_carried_are_those_numbas_loader_reads():
+    @njit
+    def f(x):
+        return nn._exp(x) + 1
+
+    f(np.float32(0.5))
+    (cres,) = f.overloads.values()
+    _, kind, (_, bitcode) = cres.library.serialize_using_object_code()
+    module = ll.parse_bitcode(bitcode)
+    loader = {gv.name for gvs in (module.functions, module.global_variables) for gv in gvs if not gv.is_declaration}
+    assert kind == "object"
+    assert set(cacheload.defined_names(cres.library)) == loader
+    assert cres.fndesc.llvm_func_name in loader
+
+
+def test_installed_for_npllama_and_kept_out_where_numba_lacks_an_attribute(monkeypatch):
+    assert caching.FunctionCache._impl_class is cacheload._LazyLoad
+    assert cacheload.install()  # again: the same
+    monkeypatch.setattr(caching.FunctionCache, "_impl_class", caching.CompileResultCacheImpl)
+    monkeypatch.setattr(cacheload, "_LIBRARY_ATTRIBUTES", cacheload._LIBRARY_ATTRIBUTES + ("no_such_attribute",))
+    assert not cacheload.install()
+    assert caching.FunctionCache._impl_class is caching.CompileResultCacheImpl
