@@ -110,6 +110,28 @@ def run_ref(py, engine, path, ids, gen, threads, repeats):
     return json.loads(r.stdout.strip().splitlines()[-1]), None
 
 
+def model_file(ap, args, py, tmp: str) -> Path:
+    """The GGUF that args.model and args.quant ask for (a re-quantized one in args.keep, or in
+    `tmp`, reused when there); ap.error where a K-quant mix needs the references' `py`."""
+    from npllama.gguf.hub import resolve_model
+    path = resolve_model(args.model)
+    if not args.quant:
+        return path
+    from gguf import GGMLQuantizationType as QT
+    from requant import requantize
+    where = Path(args.keep) if args.keep else Path(tmp)
+    where.mkdir(parents=True, exist_ok=True)
+    dst = where / f"{Path(path).stem}-{args.quant}.gguf"
+    if dst.exists():
+        return dst
+    if args.quant in LLAMA_QUANTS:
+        if py is None:
+            ap.error(f"--quant {args.quant} needs llama.cpp's quantizer: run ../shared/tools/setup-refs.sh")
+        f16 = requantize(path, Path(tmp) / "model-f16.gguf", QT.F16)
+        return llama_quantize(py, f16, dst, args.quant, args.threads)
+    return requantize(path, dst, QT[args.quant.upper()])
+
+
 # npllama's modes: engine name -> (activations, KV cache dtype; None: the mode's default)
 MODES = {"npllama": ("f32", None), "npllama-int8": ("int8", None), "npllama-f16kv": ("f32", "float16")}
 
@@ -148,25 +170,9 @@ def main():
     if unknown := [e for e in engines if e not in known]:
         ap.error(f"unknown engine(s) {', '.join(unknown)}; the engines are {', '.join(known)}")
 
-    from npllama.gguf.hub import resolve_model
-    path = resolve_model(args.model)
     tmp = tempfile.TemporaryDirectory()
     py = ref_python()
-    if args.quant:
-        from gguf import GGMLQuantizationType as QT
-        from requant import requantize
-        where = Path(args.keep) if args.keep else Path(tmp.name)
-        where.mkdir(parents=True, exist_ok=True)
-        dst = where / f"{Path(path).stem}-{args.quant}.gguf"
-        if dst.exists():
-            path = dst
-        elif args.quant in LLAMA_QUANTS:
-            if py is None:
-                ap.error(f"--quant {args.quant} needs llama.cpp's quantizer: run ../shared/tools/setup-refs.sh")
-            f16 = requantize(path, Path(tmp.name) / "model-f16.gguf", QT.F16)
-            path = llama_quantize(py, f16, dst, args.quant, args.threads)
-        else:
-            path = requantize(path, dst, QT[args.quant.upper()])
+    path = model_file(ap, args, py, tmp.name)
     ids = [int(i) for i in np.random.default_rng(0).integers(100, 40000, args.prompt)]
     results, notes, rounds = {}, [], []
     for _ in range(args.rounds):
