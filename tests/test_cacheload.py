@@ -1,5 +1,6 @@
 """npllama's kernels load from Numba's cache with their bitcode unparsed until a compile links
-them (kernels/cacheload.py); other functions keep Numba's own loading."""
+them, and without Numba's registries (kernels/cacheload.py); other functions keep Numba's own
+loading."""
 import json
 import os
 import subprocess
@@ -22,9 +23,14 @@ SCRIPT = textwrap.dedent('''
     import json, sys
     import numpy as np
     from numba import njit
+    from numba.core import base
     from npllama.kernels import cacheload, nn
     sys.path.insert(0, sys.argv[1])
     import usermod
+
+    refreshes = []  # the target context's refreshes (its registries loaded)
+    refresh = base.BaseContext.refresh
+    base.BaseContext.refresh = lambda self: (refreshes.append(1), refresh(self))[1]
 
     x = np.linspace(-2, 3, 37).astype(np.float32)
     w = np.linspace(0.5, 1.5, 37).astype(np.float32)
@@ -33,7 +39,7 @@ SCRIPT = textwrap.dedent('''
     (cres,) = nn._rmsnorm_row.overloads.values()
     lib = cres.library
     seen = {"hits": sum(nn._rmsnorm_row.stats.cache_hits.values()), "lazy": isinstance(lib, cacheload._LazyBitcode),
-            "unparsed": getattr(lib, "_bitcode", None) is not None, "out": out.tolist()}
+            "unparsed": getattr(lib, "_bitcode", None) is not None, "out": out.tolist(), "refreshed": len(refreshes)}
 
     @njit
     def caller(x, w, out):  # compiled here: links _rmsnorm_row's module in
@@ -44,7 +50,9 @@ SCRIPT = textwrap.dedent('''
     seen["caller"] = float(caller(x, w, out2))
     seen["caller_out"] = out2.tolist()
     seen["parsed_after_link"] = getattr(lib, "_bitcode", None) is None and lib._shared_module is not None
+    del refreshes[:]
     seen["user"] = float(usermod.add_one(np.arange(5.0)).sum())
+    seen["user_refreshed"] = len(refreshes)
     (ucres,) = usermod.add_one.overloads.values()
     seen["user_hits"] = sum(usermod.add_one.stats.cache_hits.values())
     seen["user_lazy"] = isinstance(ucres.library, cacheload._LazyBitcode)
@@ -75,6 +83,8 @@ def test_a_cached_kernel_loads_unparsed_and_parses_when_linked(tmp_path):
     assert first["hits"] == 0 and second["hits"] == 1  # compiled and saved, then loaded
     assert not first["lazy"] and second["lazy"]
     assert second["unparsed"]
+    assert first["refreshed"] > 0 and second["refreshed"] == 0  # a load alone needs no registries
+    assert first["user_refreshed"] > 0 and second["user_refreshed"] > 0  # Numba's own load refreshes
     assert second["parsed_after_link"]  # a compile linking the kernel parsed its bitcode
     x = np.linspace(-2, 3, 37).astype(np.float32)
     w = np.linspace(0.5, 1.5, 37).astype(np.float32)
@@ -106,8 +116,12 @@ def test_the_names_carried_are_those_numbas_loader_reads():
 
 def test_installed_for_npllama_and_kept_out_where_numba_lacks_an_attribute(monkeypatch):
     assert caching.FunctionCache._impl_class is cacheload._LazyLoad
+    assert caching.FunctionCache.load_overload is cacheload._load_overload
     assert cacheload.install()  # again: the same
+    assert caching.FunctionCache.load_overload is cacheload._load_overload
     monkeypatch.setattr(caching.FunctionCache, "_impl_class", caching.CompileResultCacheImpl)
+    monkeypatch.setattr(caching.FunctionCache, "load_overload", cacheload._numba_load_overload)
     monkeypatch.setattr(cacheload, "_LIBRARY_ATTRIBUTES", cacheload._LIBRARY_ATTRIBUTES + ("no_such_attribute",))
     assert not cacheload.install()
     assert caching.FunctionCache._impl_class is caching.CompileResultCacheImpl
+    assert caching.FunctionCache.load_overload is cacheload._numba_load_overload
