@@ -101,7 +101,7 @@ class _LazyLoad(caching.CompileResultCacheImpl):
         return (defined_names(cres.library), payload) if self._ours() else payload
 
     def rebuild(self, target_context, payload):
-        if not self._ours():
+        if not (self._ours() and len(payload) == 2 and isinstance(payload[0], list)):  # Numba's own form
             return super().rebuild(target_context, payload)
         names, payload = payload
         name, kind, data = payload[0]
