@@ -4,5 +4,5 @@ from .cachestamp import install as _install_cache_locators
 from .codepages import install as _install_code_page_release
 
 _install_cache_locators()  # before any kernel module compiles or loads a cached function
-_install_lazy_loads()  # their LLVM bitcode parsed only when a compile links them
+_install_lazy_loads()  # cached kernels load without Numba's registries; their bitcode parsed only if linked
 _install_code_page_release()  # LLVM's code leaves the resident set after each load

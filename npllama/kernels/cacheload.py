@@ -1,4 +1,5 @@
-"""npllama's kernels loaded from Numba's cache without parsing their LLVM bitcode first.
+"""npllama's kernels loaded from Numba's cache without parsing their LLVM bitcode first, and
+without Numba's registries.
 
 Numba's cache keeps, beside each kernel's machine code, the kernel's LLVM bitcode, which a
 later compile links in when it calls the kernel (and may inline). Loading an entry parses
