@@ -10,7 +10,8 @@ llama.cpp's own quantizer). npllama's modes (bench_compare.MODES) give every pos
 twice: through the prefill (a text's tokens at once) and through the decode step (one token at
 a time). llama.cpp's are its teacher-forced logits of each text (llama-cpp-python, logits_all).
 HF and llama.cpp run in the references' python (../shared/tools/setup-refs.sh, or
-$NPLLAMA_REF_PY); without it nothing can be compared, and the script says so.
+$NPLLAMA_REF_PY; HF's GGUF loading also needs `accelerate` there); without it nothing can be
+compared, and the script says so.
 """
 from __future__ import annotations
 
