@@ -145,6 +145,69 @@ def test_string_arrays(tiny_model_path):
         assert f"{len(tokens)} strings" in repr(arr)
 
 
+def _strings_reference(buf: bytes, start: int, count: int) -> tuple[list[int], int]:
+    """`_string_edges` in plain Python: the strings' ends from `start`, and how many fit."""
+    edges, pos = [0], start
+    for i in range(count):
+        if pos + 8 > len(buf) or pos + 8 + struct.unpack_from("<Q", buf, pos)[0] > len(buf):
+            return edges + [0] * (count - i), i
+        pos += 8 + struct.unpack_from("<Q", buf, pos)[0]
+        edges.append(pos - start)
+    return edges, count
+
+
+@pytest.mark.parametrize("case", ["none", "one", "mixed", "cut", "cut length", "huge length"])
+def test_string_edges(case):
+    """The compiled loop that finds an array's strings, against a plain Python one: empty,
+    non-ASCII and NUL-holding strings, a buffer cut inside a string or a length, a length past
+    the end; StringArray's decoding of them (tolist splits at NULs where no string holds one,
+    and decodes one by one where one does)."""
+    from npllama.gguf.reader import _string_edges
+    strings = {"none": [], "one": ["x"]}.get(case, ["a", "", "Ġthe", "x\0y", "é" * 40, "zz"])
+    buf = b"HEAD" + b"".join(struct.pack("<Q", len(t.encode())) + t.encode() for t in strings)
+    count = len(strings)
+    if case == "cut":
+        buf = buf[:-1]
+    elif case == "cut length":
+        buf += b"\1\0\0"
+        count += 1
+    elif case == "huge length":
+        buf += struct.pack("<Q", (1 << 64) - 1) + b"xyz"
+        count += 1
+    edges, n = _string_edges(np.frombuffer(buf, np.uint8), 4, count)
+    want_edges, want_n = _strings_reference(buf, 4, count)
+    assert (edges.tolist(), n) == (want_edges, want_n)
+    if n == count == len(strings):
+        arr = StringArray(buf[4:4 + edges[-1]], edges)
+        assert arr.tolist() == list(arr) == strings and arr.byte_lengths().tolist() == [len(t.encode()) for t in strings]
+        if "x\0y" in strings:
+            assert StringArray(buf[4:4 + edges[4]], edges[:5]).tolist() == strings[:4]
+
+
+def _string_at(path, key: str, i: int) -> int:
+    """Byte offset of the 8-byte length of string #i of the string array `key`."""
+    data = open(path, "rb").read()
+    at = _kv_at(path, key) + 4 + 4 + 8  # value type, item type, count
+    for _ in range(i):
+        at += 8 + struct.unpack_from("<Q", data, at)[0]
+    return at
+
+
+def test_huge_string_length_in_array(tiny):
+    _patch(tiny, _string_at(tiny, "tokenizer.ggml.tokens", 5), "<Q", (1 << 64) - 1)
+    _raises(tiny, "string #5 of 'tokenizer.ggml.tokens'", "truncated or corrupt")
+
+
+@pytest.mark.parametrize("where", ["first byte", "last byte"])
+def test_invalid_utf8_in_string_array(tiny, where):
+    """A bad byte in one string of an array (a stray continuation byte, or a character cut
+    short at its end) names that string."""
+    at = _string_at(tiny, "tokenizer.ggml.merges", 7)
+    n = struct.unpack_from("<Q", open(tiny, "rb").read(), at)[0]
+    _patch(tiny, at + 8 + (0 if where == "first byte" else n - 1), "<B", 0x80 if where == "first byte" else 0xC3)
+    _raises(tiny, "string #7 of 'tokenizer.ggml.merges'", "UTF-8")
+
+
 def test_untied_output(tmp_path):
     gf = GGUFFile(write_tiny_llama(tmp_path / "untied.gguf", tied=False))
     assert not gf.config.tied_output

@@ -7,7 +7,9 @@ GGUFReader builds one numpy view per string, which makes opening a model with a 
 vocabulary take seconds, and on a corrupted length or count it loops or allocates without bound.
 This parser reads GGUF versions 2 and 3 (little-endian), checks every length and count against
 the bytes that remain before using it, and turns every problem into a `GGUFError` that names the
-file, so nothing malformed ever reaches a kernel.
+file, so nothing malformed ever reaches a kernel. (The lengths of an array of strings are read by
+a compiled loop, `_string_edges`, that checks each against what remains of the file; the
+strings' UTF-8 is checked all at once.)
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUFValueType as VT
 from gguf import GGMLQuantizationType as QT
+from numba import njit
 
 from ..arch import ARCHS, SUPPORTED_ARCHS, ModelConfig
 from ..arch.base import Meta, read_key as _key
@@ -70,8 +73,35 @@ class StringArray(Sequence[str]):
         return self._data[int(self._edges[i]) + 8:int(self._edges[i + 1])].decode("utf-8")
 
     def __iter__(self):
-        starts, ends = (self._edges[:-1] + 8).tolist(), self._edges[1:].tolist()
-        return map(bytes.decode, map(self._data.__getitem__, map(slice, starts, ends)))  # no Python frame a string
+        return iter(self.tolist())
+
+    def byte_lengths(self) -> np.ndarray:
+        """Each string's length in bytes (of its UTF-8), int64."""
+        return np.diff(self._edges) - 8
+
+    def tolist(self) -> list[str]:
+        """All the strings, decoded at once (`_joined`) and split at the separators: ~3x faster
+        than a string at a time for a vocabulary; a string at a time where one holds a NUL itself."""
+        if not len(self):
+            return []
+        out = self._joined().decode("utf-8").split("\0")
+        if len(out) == len(self):  # else some string holds a NUL: the split is off
+            return out
+        return [self[i] for i in range(len(self))]
+
+    def _joined(self) -> bytes:
+        """The strings' bytes, NUL between each two: the file's bytes with each string's 8-byte
+        length cut to its first byte, set to NUL, and the first one dropped. (Valid UTF-8
+        exactly when every string is: a NUL neither ends nor continues a multi-byte character.)"""
+        starts = self._edges[:-1]
+        raw = np.frombuffer(self._data, np.uint8)
+        keep = np.ones(raw.size, bool)
+        for k in range(1, 8):
+            keep[starts + k] = False
+        keep[:1] = False
+        joined = raw.copy()
+        joined[starts] = 0
+        return joined[keep].tobytes()
 
     def __eq__(self, other):
         if isinstance(other, (StringArray, list, tuple)):
@@ -210,6 +240,28 @@ def read_metadata(path: str | os.PathLike[str]) -> dict:
         return _Parser(path, mm, mm.size()).parse()[1]
 
 
+@njit(cache=True)
+def _string_edges(buf, start, count):
+    """(edges, n) of `count` strings, each after its u64 length, from byte `start` of `buf`
+    (uint8): string i's length is at edges[i] and it ends at edges[i + 1] (from `start`). n is
+    the number that lie inside `buf`: count, or the first that runs past its end (edges then
+    end there)."""
+    edges = np.zeros(count + 1, np.int64)
+    pos, size = start, buf.size
+    for i in range(count):
+        if size - pos < 8:
+            return edges, i
+        n = np.uint64(0)
+        for k in range(8):
+            n |= np.uint64(buf[pos + k]) << np.uint64(8 * k)
+        pos += 8
+        if n > np.uint64(size - pos):
+            return edges, i
+        pos += np.int64(n)
+        edges[i + 1] = pos - start
+    return edges, count
+
+
 class _Parser:
     """Reads the header, metadata and tensor table, checking each length against what remains."""
 
@@ -297,28 +349,21 @@ class _Parser:
         return arr.astype(bool) if itype == VT.BOOL else arr
 
     def string_array(self, count: int, key: str) -> StringArray:
-        """Read `count` strings, each checked to be UTF-8; the hot loop of opening a model (its
-        vocabulary and merges)."""
-        self.need(count * 8, f"array of {count} strings of '{key}'")
-        buf, size, pos, unpack = self.buf, self.size, self.pos, struct.Struct("<Q").unpack_from
-        first, edges = pos, [0]
-        try:
-            for _ in range(count):
-                if pos + 8 > size:
-                    break
-                start = pos + 8
-                pos = start + unpack(buf, pos)[0]
-                if pos > size:
-                    break
-                buf[start:pos].decode("utf-8")
-                edges.append(pos - first)
-        except UnicodeDecodeError:
-            raise GGUFError(f"{self.path}: string #{len(edges) - 1} of '{key}' is not valid UTF-8") from None
-        if len(edges) <= count:
-            raise GGUFError(f"{self.path}: file is truncated or corrupt: string #{len(edges) - 1} of '{key}' "
+        """Read `count` strings, each checked to be UTF-8: a model's vocabulary and merges."""
+        self.need(count * 8, f"array of {count} strings of '{key}'")  # bounds the edges' memory by the file's
+        first = self.pos
+        edges, n = _string_edges(np.frombuffer(self.buf, np.uint8, count=self.size), first, count)
+        if n < count:
+            raise GGUFError(f"{self.path}: file is truncated or corrupt: string #{n} of '{key}' "
                             f"runs past the end of the file")
-        self.pos = pos
-        return StringArray(buf[first:pos], np.array(edges, np.int64))
+        self.pos = first + int(edges[-1])
+        strings = StringArray(self.buf[first:self.pos], edges)
+        try:
+            strings._joined().decode("utf-8")
+        except UnicodeDecodeError as e:  # name the string that holds the bad byte: #i starts at edges[i] - 7i
+            i = int(np.searchsorted(edges[:-1] - 7 * np.arange(count), e.start, "right")) - 1
+            raise GGUFError(f"{self.path}: string #{i} of '{key}' is not valid UTF-8") from None
+        return strings
 
     def tensor_info(self, name: str) -> tuple[str, QT, tuple[int, ...], int]:
         """Read the rest of one tensor-table entry after its name."""
