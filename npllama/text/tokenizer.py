@@ -33,6 +33,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -238,16 +239,16 @@ def _merge_pairs(merges: Sequence[str], vocab: Mapping[str, int] | None = None) 
     A merge is ``"left right"``, split at its first space after the first character (as llama.cpp
     does); both halves and their concatenation must be tokens."""
     merges = list(merges)  # a file's StringArray decodes on each read
-    if any(m.startswith(" ") for m in merges):  # rare: split past a leading space
+    if any(map(str.startswith, merges, repeat(" "))):  # rare: split past a leading space
         pairs = [(m[:c], m[c + 1:]) if c > 0 else (m,) for m in merges for c in (m.find(" ", 1),)]
     else:
-        pairs = [tuple(m.split(" ", 1)) for m in merges]
+        pairs = list(map(tuple, map(str.split, merges, repeat(" "), repeat(1))))
     if vocab is None:
         return pairs
     ok = min(map(len, pairs), default=2) == 2  # every merge has its space
-    if ok:  # and all parts and concatenations are tokens (checked at once)
-        lefts, rights = [p[0] for p in pairs], [p[1] for p in pairs]
-        ok = vocab.keys() >= set(lefts).union(rights, map(str.__add__, lefts, rights))
+    if ok:  # and all parts and concatenations are tokens
+        lefts, rights, known = [p[0] for p in pairs], [p[1] for p in pairs], vocab.__contains__
+        ok = all(map(known, lefts)) and all(map(known, rights)) and all(map(known, map(str.__add__, lefts, rights)))
     if not ok:  # name the first bad merge
         for i, (merge, pair) in enumerate(zip(merges, pairs)):
             if len(pair) != 2:
@@ -422,7 +423,9 @@ class Tokenizer:
         self.add_bos = add_bos
         self.add_space_prefix = add_space_prefix
         self.chat_template = chat_template
-        self._tokens = tokens if isinstance(tokens, list) else list(tokens)
+        # a file's StringArray is kept as it is (its bytes: ~3 MiB less than the strings for a
+        # 49k-token vocabulary), its pieces decoded one by one as they are asked for
+        self._tokens = tokens if isinstance(tokens, (list, StringArray)) else list(tokens)
         self._types = list(token_types)
         self._hf = hf
         self._hf_inner: _HFTokenizer | None = None  # without the space prefix: see encode_inner
@@ -433,7 +436,11 @@ class Tokenizer:
         # control token matched in text): a text of n bytes is at least n / this many tokens. No
         # token's bytes are longer than its piece's UTF-8 (_piece_bytes maps a byte-level character
         # to one byte, '▁' (3 bytes) to a space, '<0xNN>' to one byte), so that is the bound.
-        self.longest_token_bytes = max(1, max(len(t.encode("utf-8", "surrogatepass")) for t in self._tokens))
+        if isinstance(tokens, StringArray):
+            lengths = tokens.byte_lengths()
+        else:
+            lengths = map(len, map(str.encode, self._tokens, repeat("utf-8"), repeat("surrogatepass")))
+        self.longest_token_bytes = max(1, max(lengths))
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> "Tokenizer":
@@ -450,6 +457,7 @@ class Tokenizer:
         """Build the tokenizer from a vocabulary `check_metadata` returned (already checked)."""
         from tokenizers import AddedToken
         tokens = list(v.tokens)  # decoded once (a file's StringArray decodes on each read)
+        types = np.asarray(v.types)
         index = dict(zip(tokens, range(len(tokens))))  # the pieces are unique: checked
         merges = _merge_pairs(v.merges) if v.merges is not None else _spm_merges(index, v.scores)
         if v.spec is not None:
@@ -458,9 +466,9 @@ class Tokenizer:
             unk = tokens[v.unk_id] if v.unk_id is not None else None
             hf = cls._build_spm(index, merges, unk, v.add_space_prefix)
         # Matched as a whole before BPE (on the raw text); control ones only with special=True.
-        hf.add_tokens([AddedToken(tokens[i], special=(t == TOKEN_CONTROL), normalized=False)
-                       for i, t in enumerate(v.types) if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED)])
-        return cls(model=v.model, pre=v.pre, tokens=tokens, token_types=v.types, hf=hf, bos_id=v.bos_id,
+        added = np.flatnonzero((types == TOKEN_CONTROL) | (types == TOKEN_USER_DEFINED)).tolist()
+        hf.add_tokens([AddedToken(tokens[i], special=(v.types[i] == TOKEN_CONTROL), normalized=False) for i in added])
+        return cls(model=v.model, pre=v.pre, tokens=v.tokens, token_types=v.types, hf=hf, bos_id=v.bos_id,
                    eos_id=v.eos_id, eot_ids=v.eot_ids, add_bos=v.add_bos, add_space_prefix=v.add_space_prefix,
                    chat_template=v.chat_template)
 
