@@ -1,6 +1,6 @@
 """npllama's kernels load from Numba's cache with their bitcode unparsed until a compile links
-them, and without Numba's registries (kernels/cacheload.py); other functions keep Numba's own
-loading."""
+them, without Numba's registries, and without importing the modules of the Numba functions they
+inline (kernels/cacheload.py); other functions keep Numba's own loading."""
 import json
 import os
 import subprocess
@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent('''
     import numpy as np
     from numba import njit
     from numba.core import base
-    from npllama.kernels import cacheload, nn
+    from npllama.kernels import aligned, cacheload, nn
     sys.path.insert(0, sys.argv[1])
     import usermod
 
@@ -40,6 +40,11 @@ SCRIPT = textwrap.dedent('''
     lib = cres.library
     seen = {"hits": sum(nn._rmsnorm_row.stats.cache_hits.values()), "lazy": isinstance(lib, cacheload._LazyBitcode),
             "unparsed": getattr(lib, "_bitcode", None) is not None, "out": out.tolist(), "refreshed": len(refreshes)}
+    buf = aligned._empty((3, 5), np.float32)  # inlines Numba's own array functions (numba.np.arrayobj)
+    (ecres,) = aligned._empty.overloads.values()
+    seen["empty"] = [list(buf.shape), buf.ctypes.data % 64]
+    seen["env_modules"] = sorted({env.globals["__name__"] for env in ecres.referenced_envs or ()})
+    seen["arrayobj_imported"] = "numba.np.arrayobj" in sys.modules
 
     @njit
     def caller(x, w, out):  # compiled here: links _rmsnorm_row's module in
@@ -86,6 +91,10 @@ def test_a_cached_kernel_loads_unparsed_and_parses_when_linked(tmp_path):
     assert first["refreshed"] > 0 and second["refreshed"] == 0  # a load alone needs no registries
     assert first["user_refreshed"] > 0 and second["user_refreshed"] > 0  # Numba's own load refreshes
     assert second["parsed_after_link"]  # a compile linking the kernel parsed its bitcode
+    # the environments of Numba's functions inlined into a loaded kernel, rebuilt without their modules
+    assert first["arrayobj_imported"] and "numba.np.arrayobj" in second["env_modules"]
+    assert not second["arrayobj_imported"]
+    assert first["empty"] == second["empty"] == [[3, 5], 0]
     x = np.linspace(-2, 3, 37).astype(np.float32)
     w = np.linspace(0.5, 1.5, 37).astype(np.float32)
     want = _rmsnorm(x, w, np.float32(1e-5))

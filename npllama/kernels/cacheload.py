@@ -22,6 +22,14 @@ npllama entry loads after `rtsys.initialize` alone (`_load_overload`); a compile
 process or later, refreshes the contexts itself (numba.core.compiler), as does a lowering
 that finds no definition.
 
+Each entry also carries the environments of the functions compiled into it (Numba's record
+of each function's module and constants), and unpickling one imports its module: for
+functions of Numba's own inlined into a kernel, `numba.np.arrayobj`, `numba.cpython.unicode`
+and others (~0.03 s). Compiled nopython code reads only an environment's constants; the
+module's namespace is read by object-mode code alone, which npllama never compiles. An
+npllama entry's environments are rebuilt (`_rebuild_env`) on the namespace of their module
+where it is imported, else on one of its name alone.
+
 Functions outside npllama (whose locator is not one of `cachestamp`'s) are saved and loaded
 by Numba's own code. All this reaches into Numba's caching and codegen: `install` puts it in
 place only where every attribute it uses is there, else Numba's loading stays as it is. One
@@ -30,8 +38,10 @@ so an entry is always read in the form it was written.
 """
 from __future__ import annotations
 
+import sys
+
 import llvmlite.binding as ll
-from numba.core import caching, codegen
+from numba.core import caching, codegen, environment
 from numba.core.runtime import rtsys
 
 from .cachestamp import _PackageStamp
@@ -90,6 +100,38 @@ def load_library(codegen_, name: str, object_code: bytes, bitcode: bytes):
     return library
 
 
+def _rebuild_env(modname: str, consts: list, env_name: str):
+    """Numba's `environment._rebuild_env` without importing `modname` (see the module's docstring)."""
+    env = environment.lookup_environment(env_name)
+    if env is None:
+        module = sys.modules.get(modname)
+        env = environment.Environment(module.__dict__ if module is not None else {"__name__": modname})
+        env.consts[:] = consts
+        env.env_name = env_name
+        environment.Environment._memo[env_name] = env
+    return env
+
+
+class _Environment:
+    """An environment in a saved entry, pickled to be rebuilt by `_rebuild_env`."""
+
+    __slots__ = ("env",)
+
+    def __init__(self, env):
+        self.env = env
+
+    def __reduce__(self):
+        return _rebuild_env, (self.env.globals.get("__name__"), self.env.consts, self.env.env_name)
+
+
+def _environments_rebuilt_here(x):
+    """`x` (a compile result's payload), its environments (at any depth of tuples) to be rebuilt
+    by `_rebuild_env`."""
+    if isinstance(x, environment.Environment):
+        return _Environment(x)
+    return tuple(map(_environments_rebuilt_here, x)) if type(x) is tuple else x
+
+
 class _LazyLoad(caching.CompileResultCacheImpl):
     """Numba's cache of compile results; for npllama's functions, entries that load without
     parsing their bitcode (see the module's docstring)."""
@@ -99,7 +141,9 @@ class _LazyLoad(caching.CompileResultCacheImpl):
 
     def reduce(self, cres):
         payload = super().reduce(cres)
-        return (defined_names(cres.library), payload) if self._ours() else payload
+        if not self._ours():
+            return payload
+        return defined_names(cres.library), _environments_rebuilt_here(payload)
 
     def rebuild(self, target_context, payload):
         if not (self._ours() and len(payload) == 2 and isinstance(payload[0], list)):  # Numba's own form
@@ -145,6 +189,7 @@ def _supported() -> bool:
             and engine is not None and hasattr(engine, "_load_defined_symbols")
             and all(hasattr(cache, a) for a in ("_load_overload", "_guard_against_spurious_io_errors"))
             and hasattr(rtsys, "initialize")
+            and hasattr(environment, "lookup_environment") and hasattr(environment.Environment, "_memo")
             and getattr(cache, "_impl_class", None) in (caching.CompileResultCacheImpl, _LazyLoad))
 
 
