@@ -25,8 +25,6 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from filelock import FileLock, Timeout
-
 from ..errors import ModelFetchError
 from ..progress import Progress
 
@@ -158,6 +156,7 @@ def pull(name: str = DEFAULT_MODEL, *, progress: bool | None = None, force: bool
     if dest.is_file() and not force:
         return dest
     _check_writable(dest.parent)
+    from filelock import FileLock, Timeout  # only a fetch locks: loading a cached model needs no import of it
     try:
         lock = FileLock(str(dest.with_name(dest.name + ".lock")), timeout=LOCK_TIMEOUT_S)
         lock.acquire()
