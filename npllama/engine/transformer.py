@@ -24,7 +24,7 @@ from ..kernels import aligned
 from ..kernels.attention import attend
 from ..kernels.nn import rmsnorm
 from ..kernels.paged_attention import plan_blocks
-from ..kernels.panels import has_panels, pack_panels, panel_shape
+from ..kernels.panels import PANEL, has_panels, pack_panels, panel_shape
 from ..kernels.rope import Ropes
 from ..kernels.rows import matmul_rows as mm  # x @ W.T reading each weight row once, for a few to hundreds of rows
 from ..kernels.threads import check_threads, physical_cores, using_threads
@@ -50,6 +50,7 @@ def _kv_dtype(kv_dtype, activations: str) -> np.dtype:
 
 
 PREFILL_CHUNK = 512  # tokens per forward chunk of a long prompt
+_PACK_PART_BYTES = 4 << 20  # a weight's GGUF rows are packed into panels (and released) this much at a time
 _ONE_PAGE = np.zeros((1, 1), np.int32)  # the page table of a session's cache as the packed pass reads it
 
 
@@ -234,17 +235,23 @@ class Transformer:
     def _pack_panels(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """(arena, {weight name: its panels, a view of the arena}) for every product weight of a
         type with panel kernels whose inputs are whole blocks of 32. No product reads those
-        weights' GGUF rows after that, so their pages leave the resident set as they are packed
-        (`GGUFFile.release`; a tied embedding's rows come back as tokens look them up)."""
+        weights' GGUF rows after that, so their pages leave the resident set as they are packed,
+        a few MiB at a time (`GGUFFile.release`; a tied embedding's rows come back as tokens look
+        them up): the peak holds the panels and one such part of the file, not a whole weight."""
         ws = {w.name: w for w in self.product_weights() if has_panels(w.qtype) and w.cols % 32 == 0}
         shapes = {n: panel_shape(w.qtype, w.rows, w.cols) for n, w in ws.items()}
         arena = aligned.zeros(sum(p * b for p, b in shapes.values()), np.uint8)  # the panels on cache lines
         views, at = {}, 0
         for n, w in ws.items():
             p, b = shapes[n]
-            views[n] = pack_panels(w.data, w.qtype, out=arena[at:at + p * b].reshape(p, b))
+            views[n] = out = arena[at:at + p * b].reshape(p, b)
             at += p * b
-            self.file.release(w.data)
+            step = max(1, _PACK_PART_BYTES // (w.data.shape[1] * PANEL)) * PANEL  # rows: whole panels
+            for r in range(0, w.rows, step):
+                part = w.data[r:r + step]
+                pack_panels(part, w.qtype, out=out[r // PANEL:-(-(r + len(part)) // PANEL)])
+                self.file.release(part)
+            self.file.release(w.data)  # the pages two parts share
         return arena, views
 
     def _run(self, ids: np.ndarray, cache: KVCache, all_logits: bool, output: str, threads: int) -> np.ndarray:
