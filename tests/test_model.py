@@ -288,6 +288,24 @@ def test_sessions_decode_from_several_threads(tmp_path):
         np.testing.assert_array_equal(g, w)
 
 
+@pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0])
+def test_panels_packed_in_parts(tmp_path, monkeypatch, qtype):
+    """The model packs its weights a part of rows at a time (here 16 rows: the weights' row
+    counts are not all multiples of the part), releasing each part's file pages: every weight's
+    panels are pack_panels' of the whole weight, and the file's rows read as before."""
+    from npllama.engine import transformer
+    from npllama.kernels.panels import pack_panels
+    monkeypatch.setattr(transformer, "_PACK_PART_BYTES", 1)
+    m = npllama.Model(write_tiny_llama(tmp_path / "m.gguf", qtype=qtype, tied=False))
+    before = {w.name: w.data.copy() for w in m.product_weights()}
+    weights = [w for w in m.product_weights() if m.panels(w) is not None]
+    assert weights and any(w.rows % 16 for w in weights) and any(w.rows > 16 for w in weights)
+    for w in weights:
+        np.testing.assert_array_equal(m.panels(w), pack_panels(w.data, w.qtype))
+    for w in m.product_weights():
+        np.testing.assert_array_equal(w.data, before[w.name])
+
+
 @pytest.mark.parametrize("activations", ["f32", "int8"])
 @pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q5_0, QT.F16])
 def test_plan_reads_panels(tmp_path, qtype, activations):
