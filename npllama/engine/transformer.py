@@ -17,10 +17,11 @@ from numba import get_num_threads
 
 from ..arch import ARCHS
 from ..arch.weights import Layer, QWeight, f32
+from ..cache import panelfile
 from ..cache.kvcache import KVCache
 from ..errors import GGUFError, PositionError
 from ..gguf.reader import GGUFFile, ModelConfig
-from ..kernels import aligned
+from ..kernels import aligned, cachestamp
 from ..kernels.attention import attend
 from ..kernels.nn import rmsnorm
 from ..kernels.paged_attention import plan_blocks
@@ -234,24 +235,32 @@ class Transformer:
 
     def _pack_panels(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """(arena, {weight name: its panels, a view of the arena}) for every product weight of a
-        type with panel kernels whose inputs are whole blocks of 32. No product reads those
-        weights' GGUF rows after that, so their pages leave the resident set as they are packed,
-        a few MiB at a time (`GGUFFile.release`; a tied embedding's rows come back as tokens look
-        them up): the peak holds the panels and one such part of the file, not a whole weight."""
+        type with panel kernels whose inputs are whole blocks of 32: mapped from the model
+        cache where an earlier process saved them (cache/panelfile.py), else packed (and saved).
+        No product reads those weights' GGUF rows after that, so their pages leave the resident
+        set as they are packed, a few MiB at a time (`GGUFFile.release`; a tied embedding's rows
+        come back as tokens look them up): the peak holds the panels and one such part of the
+        file, not a whole weight."""
         ws = {w.name: w for w in self.product_weights() if has_panels(w.qtype) and w.cols % 32 == 0}
         shapes = {n: panel_shape(w.qtype, w.rows, w.cols) for n, w in ws.items()}
-        arena = aligned.zeros(sum(p * b for p, b in shapes.values()), np.uint8)  # the panels on cache lines
+        layout = [[n, int(w.qtype), w.rows, w.cols] for n, w in ws.items()]
+        nbytes = sum(p * b for p, b in shapes.values())
+        saved = panelfile.load(self.path, layout, cachestamp.stamp(), nbytes)
+        arena = aligned.zeros(nbytes, np.uint8) if saved is None else saved  # the panels on cache lines
         views, at = {}, 0
-        for n, w in ws.items():
-            p, b = shapes[n]
-            views[n] = out = arena[at:at + p * b].reshape(p, b)
+        for n, (p, b) in shapes.items():
+            views[n] = arena[at:at + p * b].reshape(p, b)
             at += p * b
+        if saved is not None:
+            return arena, views
+        for n, w in ws.items():
             step = max(1, _PACK_PART_BYTES // (w.data.shape[1] * PANEL)) * PANEL  # rows: whole panels
             for r in range(0, w.rows, step):
                 part = w.data[r:r + step]
-                pack_panels(part, w.qtype, out=out[r // PANEL:-(-(r + len(part)) // PANEL)])
+                pack_panels(part, w.qtype, out=views[n][r // PANEL:-(-(r + len(part)) // PANEL)])
                 self.file.release(part)
             self.file.release(w.data)  # the pages two parts share
+        panelfile.save(self.path, layout, cachestamp.stamp(), arena)
         return arena, views
 
     def _run(self, ids: np.ndarray, cache: KVCache, all_logits: bool, output: str, threads: int) -> np.ndarray:

@@ -47,14 +47,19 @@ def source_stamp() -> str:
 _stamp: str | None = None
 
 
+def stamp() -> str:
+    """`source_stamp()`, computed once a process."""
+    global _stamp
+    if _stamp is None:
+        _stamp = source_stamp()
+    return _stamp
+
+
 class _PackageStamp:
     """Mixin for Numba's source-file locators: the package's stamp, for npllama's files only."""
 
     def get_source_stamp(self):
-        global _stamp
-        if _stamp is None:
-            _stamp = source_stamp()
-        return _stamp
+        return stamp()
 
     @classmethod
     def from_function(cls, py_func, py_file):
