@@ -9,6 +9,7 @@ from gguf import GGMLQuantizationType as QT
 import npllama
 from npllama.cache import panelfile
 from npllama.engine import transformer
+from npllama.gguf.reader import GGUFFile
 from npllama.kernels.panels import pack_panels
 from tinygguf import write_tiny_llama
 
@@ -76,7 +77,7 @@ def test_a_changed_file_is_packed_again(tmp_path, cache, monkeypatch):
 
 def test_another_layout_does_not_map_the_entry(tmp_path, cache):
     """An entry answers only the layout (weights, types, shapes) and size it was saved for."""
-    path = str(write_tiny_llama(tmp_path / "m.gguf", qtype=QT.Q4_1))
+    path = GGUFFile(write_tiny_llama(tmp_path / "m.gguf", qtype=QT.Q4_1))
     layout = [["w", int(QT.Q4_1), 16, 32]]
     panels = np.arange(4096, dtype=np.uint8)
     assert panelfile.save(path, layout, "stamp", panels) is not None
@@ -114,6 +115,7 @@ def test_off_small_or_unwritable(tmp_path, cache, monkeypatch):
     _model(path, monkeypatch, packs=True)
     assert _entries(cache) == []
     monkeypatch.setattr(panelfile, "MIN_BYTES", 0)
-    (tmp_path / "cache").write_text("a file where the cache directory would be")
+    (tmp_path / "blocker").write_text("a file where a folder of the cache's path would be")
+    monkeypatch.setenv("NPLLAMA_CACHE", str(tmp_path / "blocker" / "cache"))
     m = _model(path, monkeypatch, packs=True)
     assert m.generate([1, 2, 3], max_tokens=2, temperature=0) is not None

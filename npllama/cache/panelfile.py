@@ -47,11 +47,10 @@ def directory() -> Path:
     return cache_dir() / "panels"
 
 
-def _entry(model_path: str, layout: list, stamp: str) -> tuple[Path, str, bytes]:
+def _entry(file, layout: list, stamp: str) -> tuple[Path, str, bytes]:
     """(the entry's path, the start of the names of the model's entries, its header: the key
-    and the model file's path) for the model file at `model_path`; OSError where it is gone."""
-    real = os.path.realpath(model_path)
-    st = os.stat(real)
+    and the model file's path) for the model file that GGUFFile `file` opened."""
+    real, st = os.path.realpath(file.path), file.stat
     identity = [real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, layout, stamp]
     key = hashlib.sha256(json.dumps(identity).encode()).hexdigest()
     model = f"{os.path.basename(real)}.{hashlib.sha256(real.encode()).hexdigest()[:12]}."
@@ -68,13 +67,13 @@ def _model_of(entry: Path) -> bytes | None:
     return lines[2] if len(lines) > 2 and lines[0] + b"\n" == _MAGIC else None
 
 
-def load(model_path: str, layout: list, stamp: str, nbytes: int) -> np.ndarray | None:
-    """The saved panels (`nbytes` uint8, mapped) of the model at `model_path` with `layout`,
-    or None when there are none that match."""
+def load(file, layout: list, stamp: str, nbytes: int) -> np.ndarray | None:
+    """The saved panels (`nbytes` uint8, mapped) of the model file that GGUFFile `file`
+    opened, with `layout`, or None when there are none that match."""
     if nbytes < MIN_BYTES or not enabled():
         return None
     try:
-        path, _, header = _entry(model_path, layout, stamp)
+        path, _, header = _entry(file, layout, stamp)
         with open(path, "rb") as f:
             if os.fstat(f.fileno()).st_size != HEADER + nbytes or f.read(len(header)) != header:
                 return None
@@ -84,13 +83,13 @@ def load(model_path: str, layout: list, stamp: str, nbytes: int) -> np.ndarray |
     return np.frombuffer(mm, np.uint8, count=nbytes, offset=HEADER)
 
 
-def save(model_path: str, layout: list, stamp: str, panels: np.ndarray) -> Path | None:
-    """Save `panels` (uint8) for the model at `model_path` with `layout`, and remove the
-    model's older entries; the entry's path, or None where it was not saved."""
+def save(file, layout: list, stamp: str, panels: np.ndarray) -> Path | None:
+    """Save `panels` (uint8) for the model file that GGUFFile `file` opened, with `layout`,
+    and remove the model's older entries; the entry's path, or None where it was not saved."""
     if panels.nbytes < MIN_BYTES or not enabled():
         return None
     try:
-        path, model, header = _entry(model_path, layout, stamp)
+        path, model, header = _entry(file, layout, stamp)
     except OSError:
         return None
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

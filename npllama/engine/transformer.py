@@ -17,7 +17,7 @@ from numba import get_num_threads
 
 from ..arch import ARCHS
 from ..arch.weights import Layer, QWeight, f32
-from ..cache import panelfile
+from ..cache import panelfile, verdicts
 from ..cache.kvcache import KVCache
 from ..errors import GGUFError, PositionError
 from ..gguf.reader import GGUFFile, ModelConfig
@@ -88,11 +88,14 @@ class Transformer:
         self.ropes = Ropes(cfg, {n: f32(t(n)) for n in names})
         self._vocabulary = None  # checked now, so a broken vocabulary fails here, not at tokenize()
         if "tokenizer.ggml.tokens" in self.file.metadata:
-            from ..text.tokenizer import check_metadata
+            from ..text.tokenizer import CHECK_VERSION, check_metadata
+            passed = CHECK_VERSION is not None and verdicts.passed("vocabulary", CHECK_VERSION, self.file)
             try:
-                self._vocabulary = check_metadata(self.file.metadata)
+                self._vocabulary = check_metadata(self.file.metadata, passed=passed)
             except GGUFError as e:
                 raise GGUFError(f"{self.path}: {e}") from None
+            if not passed and CHECK_VERSION is not None:
+                verdicts.record("vocabulary", CHECK_VERSION, self.file)
         self._tokenizer = None
         self._plan = None
         self._panels: dict[str, np.ndarray] | None = None  # see panels()
@@ -245,7 +248,7 @@ class Transformer:
         shapes = {n: panel_shape(w.qtype, w.rows, w.cols) for n, w in ws.items()}
         layout = [[n, int(w.qtype), w.rows, w.cols] for n, w in ws.items()]
         nbytes = sum(p * b for p, b in shapes.values())
-        saved = panelfile.load(self.path, layout, cachestamp.stamp(), nbytes)
+        saved = panelfile.load(self.file, layout, cachestamp.stamp(), nbytes)
         arena = aligned.zeros(nbytes, np.uint8) if saved is None else saved  # the panels on cache lines
         views, at = {}, 0
         for n, (p, b) in shapes.items():
@@ -260,7 +263,7 @@ class Transformer:
                 pack_panels(part, w.qtype, out=views[n][r // PANEL:-(-(r + len(part)) // PANEL)])
                 self.file.release(part)
             self.file.release(w.data)  # the pages two parts share
-        panelfile.save(self.path, layout, cachestamp.stamp(), arena)
+        panelfile.save(self.file, layout, cachestamp.stamp(), arena)
         return arena, views
 
     def _run(self, ids: np.ndarray, cache: KVCache, all_logits: bool, output: str, threads: int) -> np.ndarray:

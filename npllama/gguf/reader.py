@@ -139,6 +139,7 @@ class GGUFFile:
 
     Attributes:
         path: the file path as a string.
+        stat: the os.stat_result of the file opened (what the model cache's records key on).
         version: the GGUF format version (2 or 3).
         metadata: key -> value, in file order. Scalars are int, float or bool, strings are str,
             arrays of strings (tokenizer.ggml.tokens, .merges) are `StringArray`s (read-only
@@ -160,7 +161,8 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = os.fspath(path)
         with open(self.path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+            self.stat = os.fstat(f.fileno())
+            size = self.stat.st_size
             if size < 4 + 4 + 8 + 8:
                 raise GGUFError(f"{self.path}: file is truncated: {size} bytes is shorter than a GGUF header (24 bytes)")
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)

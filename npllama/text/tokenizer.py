@@ -17,7 +17,9 @@ Three vocabulary kinds are supported, chosen by the metadata key `tokenizer.ggml
 Every vocabulary is checked when it is built: the token, type and score arrays must agree in
 length, token texts must be unique valid text, types must lie in 1..6, and every merge must name
 two tokens whose concatenation is a token. Anything else is a GGUFError naming the key and entry.
-`check_metadata` runs these checks alone, without building the tokenizer.
+`check_metadata` runs these checks alone, without building the tokenizer (a model runs it when
+it opens a file, and skips the checks that read the whole vocabulary for a file unchanged since
+it passed them: cache/verdicts.py).
 llama.cpp's own tokenizer test vectors check each supported kind (tests/llama_vocabs.py).
 
 Token types follow GGUF: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
@@ -28,12 +30,14 @@ and SentencePiece do.
 from __future__ import annotations
 
 import codecs
+import hashlib
 import operator
 import re
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -142,8 +146,15 @@ _PRE: dict[str, _Pre] = {
 }
 
 # Token texts that end a turn, as llama.cpp recognises them, besides EOS and the metadata ids.
-_EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
-              "<|end_of_text|>", "<EOT>", "<end_of_utterance>")
+_EOT_TEXTS = frozenset(("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+                        "<|end_of_text|>", "<EOT>", "<end_of_utterance>"))
+
+# The version of this module's checks, for the record of files that passed them (cache/verdicts.py):
+# the hash of its source. None where it cannot be read (no pass is then recorded or believed).
+try:
+    CHECK_VERSION: str | None = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+except OSError:
+    CHECK_VERSION = None
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _SPM_SPACE = "\u2581"
@@ -330,7 +341,7 @@ class _Vocabulary:
     chat_template: str | None
 
 
-def check_metadata(meta: Mapping[str, Any]) -> "_Vocabulary":
+def check_metadata(meta: Mapping[str, Any], *, passed: bool = False) -> "_Vocabulary":
     """The vocabulary of `meta`, for `Tokenizer.from_vocabulary`; GGUFError (a ValueError)
     unless it is one npllama can tokenize with.
 
@@ -340,11 +351,15 @@ def check_metadata(meta: Mapping[str, Any]) -> "_Vocabulary":
     required by SentencePiece); token types within 1..6; every merge split at a space into two
     tokens whose concatenation is a token; ids, flags and the chat template of the right type.
     Each error names the key and the offending entry.
+
+    `passed`: this metadata passed the check of this `CHECK_VERSION` before (a model file
+    unchanged since: cache/verdicts.py), so the checks that read the whole token and merge
+    lists (unique tokens, merges of tokens) are skipped; the others are cheap and run.
     """
-    return _read_vocabulary(meta)
+    return _read_vocabulary(meta, passed)
 
 
-def _read_vocabulary(meta: Mapping[str, Any]) -> _Vocabulary:
+def _read_vocabulary(meta: Mapping[str, Any], passed: bool = False) -> _Vocabulary:
     model = _meta_str(meta, "tokenizer.ggml.model")
     if model not in ("gpt2", "llama", "gemma4"):
         raise GGUFError(f"unsupported tokenizer model tokenizer.ggml.model={model!r}; supported: 'gpt2' "
@@ -360,7 +375,7 @@ def _read_vocabulary(meta: Mapping[str, Any]) -> _Vocabulary:
     if not tokens:
         raise GGUFError("GGUF metadata has no tokenizer.ggml.tokens: the file carries no vocabulary")
     n_vocab = len(tokens)
-    index = _vocab_index(tokens)
+    index = None if passed else _vocab_index(tokens)
     types = _numbers(meta, "tokenizer.ggml.token_type", n_vocab, int)
     scores = _numbers(meta, "tokenizer.ggml.scores", n_vocab, float)
     if types is None:
@@ -386,14 +401,18 @@ def _read_vocabulary(meta: Mapping[str, Any]) -> _Vocabulary:
     else:  # byte-level BPE, or gemma4's BPE on UTF-8 text with spaces as '▁': merges from the file
         add_space_prefix = False
         merges = _strings(meta, "tokenizer.ggml.merges") or []
-        _merge_pairs(merges, index)  # the check; the tokenizer splits them again when it is built
+        if index is not None:
+            _merge_pairs(merges, index)  # the check; the tokenizer splits them again when it is built
 
     eot = {eos_id} if eos_id is not None else set()
     for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         tid = _meta_id(meta, key, n_vocab)
         if tid is not None:
             eot.add(tid)
-    eot.update(index[text] for text in _EOT_TEXTS if text in index)
+    if index is not None:
+        eot.update(index[text] for text in _EOT_TEXTS if text in index)
+    else:
+        eot.update(i for i, text in enumerate(tokens) if text in _EOT_TEXTS)
     # the family's default (when the file does not say) applies only to a vocabulary that has a BOS
     default_bos = (spec.add_bos if spec is not None else True) and bos_id is not None
     add_bos = _meta_flag(meta, "tokenizer.ggml.add_bos_token", default_bos)

@@ -1,0 +1,69 @@
+"""Model files that passed a check, remembered in the model cache so that a later process
+opening the same unchanged file does not check it again.
+
+Opening a model checks its vocabulary whole (text/tokenizer.py, `check_metadata`): every
+token unique, every merge two tokens whose concatenation is a token. For a 49k-token
+vocabulary that is ~0.05 s of every start, for a file that has not changed since it last
+passed. One JSON file (``checks.json`` in ``$NPLLAMA_CACHE``, else ``~/.cache/npllama``) maps
+a check and a model file's path to the key of its last pass: the identity of the file as it
+was opened (device, inode, size, modification time) and the check's version (its source's
+hash). A pass is believed only under the same key; any change to the file or the check checks
+again.
+
+The record keeps the latest `KEEP` passes, and is written whole under a temporary name and
+renamed into place. One that cannot be read or written only means checking again.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from ..gguf.hub import cache_dir
+
+KEEP = 256
+
+
+def _path():
+    return cache_dir() / "checks.json"
+
+
+def _key(file, version: str) -> tuple[str, list]:
+    """(the real path of GGUFFile `file`, the key of a pass of a check of `version` on it)."""
+    st = file.stat
+    return os.path.realpath(file.path), [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, version]
+
+
+def _read() -> dict:
+    try:
+        with open(_path(), encoding="utf-8") as f:
+            passes = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return passes if isinstance(passes, dict) else {}
+
+
+def passed(check: str, version: str, file) -> bool:
+    """Whether the model file that GGUFFile `file` opened passed `check` of `version` (the file
+    as it was opened: a file that changed since is another)."""
+    real, key = _key(file, version)
+    return _read().get(f"{check} {real}") == key
+
+
+def record(check: str, version: str, file) -> None:
+    """Remember that the model file that GGUFFile `file` opened passed `check` of `version`."""
+    real, key = _key(file, version)
+    passes = _read()
+    passes.pop(f"{check} {real}", None)
+    passes[f"{check} {real}"] = key  # the latest last: the oldest go first
+    path = _path()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(dict(list(passes.items())[-KEEP:]), f)
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
