@@ -700,6 +700,9 @@ def run_random(target: str, seconds: float, seed: int = 0, max_len: int = 8192) 
 def _worker(argv: list[str]) -> None:
     import atheris
     target = argv[1]
+    # Compiled kernels are imported first, as they are: atheris would rewrite their bytecode,
+    # which Numba compiles (and keys its cache on), and no Python runs inside them to cover.
+    import npllama.kernels.strings  # noqa: F401 - the GGUF parser's string lengths
     if INSTRUMENT[target]:  # (an empty include list would instrument every module imported)
         with atheris.instrument_imports(include=INSTRUMENT[target]):
             import npllama  # noqa: F401 - imports (and so instruments) the modules under test

@@ -146,7 +146,7 @@ def test_string_arrays(tiny_model_path):
 
 
 def _strings_reference(buf: bytes, start: int, count: int) -> tuple[list[int], int]:
-    """`_string_edges` in plain Python: the strings' ends from `start`, and how many fit."""
+    """`string_edges` in plain Python: the strings' ends from `start`, and how many fit."""
     edges, pos = [0], start
     for i in range(count):
         if pos + 8 > len(buf) or pos + 8 + struct.unpack_from("<Q", buf, pos)[0] > len(buf):
@@ -156,13 +156,13 @@ def _strings_reference(buf: bytes, start: int, count: int) -> tuple[list[int], i
     return edges, count
 
 
-@pytest.mark.parametrize("case", ["none", "one", "mixed", "cut", "cut length", "huge length"])
+@pytest.mark.parametrize("case", ["none", "one", "mixed", "cut", "cut length", "huge length", "strided"])
 def test_string_edges(case):
     """The compiled loop that finds an array's strings, against a plain Python one: empty,
     non-ASCII and NUL-holding strings, a buffer cut inside a string or a length, a length past
     the end; StringArray's decoding of them (tolist splits at NULs where no string holds one,
     and decodes one by one where one does)."""
-    from npllama.gguf.reader import _string_edges
+    from npllama.kernels.strings import string_edges
     strings = {"none": [], "one": ["x"]}.get(case, ["a", "", "Ġthe", "x\0y", "é" * 40, "zz"])
     buf = b"HEAD" + b"".join(struct.pack("<Q", len(t.encode())) + t.encode() for t in strings)
     count = len(strings)
@@ -174,7 +174,10 @@ def test_string_edges(case):
     elif case == "huge length":
         buf += struct.pack("<Q", (1 << 64) - 1) + b"xyz"
         count += 1
-    edges, n = _string_edges(np.frombuffer(buf, np.uint8), 4, count)
+    raw = np.frombuffer(buf, np.uint8)
+    if case == "strided":  # every other byte of a buffer twice as long
+        raw = np.repeat(raw, 2)[::2]
+    edges, n = string_edges(raw, 4, count)
     want_edges, want_n = _strings_reference(buf, 4, count)
     assert (edges.tolist(), n) == (want_edges, want_n)
     if n == count == len(strings):
@@ -182,6 +185,14 @@ def test_string_edges(case):
         assert arr.tolist() == list(arr) == strings and arr.byte_lengths().tolist() == [len(t.encode()) for t in strings]
         if "x\0y" in strings:
             assert StringArray(buf[4:4 + edges[4]], edges[:5]).tolist() == strings[:4]
+
+
+def test_string_edges_refuses_what_it_cannot_read():
+    from npllama.kernels.strings import string_edges
+    for buf, start, count in ((np.zeros(8, np.int32), 0, 1), (np.zeros((2, 8), np.uint8), 0, 1),
+                              (np.zeros(8, np.uint8), 9, 1), (np.zeros(8, np.uint8), 0, -1)):
+        with pytest.raises(ValueError):
+            string_edges(buf, start, count)
 
 
 def _string_at(path, key: str, i: int) -> int:

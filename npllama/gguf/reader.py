@@ -8,7 +8,7 @@ vocabulary take seconds, and on a corrupted length or count it loops or allocate
 This parser reads GGUF versions 2 and 3 (little-endian), checks every length and count against
 the bytes that remain before using it, and turns every problem into a `GGUFError` that names the
 file, so nothing malformed ever reaches a kernel. (The lengths of an array of strings are read by
-a compiled loop, `_string_edges`, that checks each against what remains of the file; the
+a compiled loop, `kernels.strings`, that checks each against what remains of the file; the
 strings' UTF-8 is checked all at once.)
 """
 from __future__ import annotations
@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUFValueType as VT
 from gguf import GGMLQuantizationType as QT
-from numba import njit
 
 from ..arch import ARCHS, SUPPORTED_ARCHS, ModelConfig
 from ..arch.base import Meta, read_key as _key
 from ..errors import GGUFError
+from ..kernels.strings import string_edges
 
 SUPPORTED_QTYPES = frozenset({
     QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
@@ -242,28 +242,6 @@ def read_metadata(path: str | os.PathLike[str]) -> dict:
         return _Parser(path, mm, mm.size()).parse()[1]
 
 
-@njit(cache=True)
-def _string_edges(buf, start, count):
-    """(edges, n) of `count` strings, each after its u64 length, from byte `start` of `buf`
-    (uint8): string i's length is at edges[i] and it ends at edges[i + 1] (from `start`). n is
-    the number that lie inside `buf`: count, or the first that runs past its end (edges then
-    end there)."""
-    edges = np.zeros(count + 1, np.int64)
-    pos, size = start, buf.size
-    for i in range(count):
-        if size - pos < 8:
-            return edges, i
-        n = np.uint64(0)
-        for k in range(8):
-            n |= np.uint64(buf[pos + k]) << np.uint64(8 * k)
-        pos += 8
-        if n > np.uint64(size - pos):
-            return edges, i
-        pos += np.int64(n)
-        edges[i + 1] = pos - start
-    return edges, count
-
-
 class _Parser:
     """Reads the header, metadata and tensor table, checking each length against what remains."""
 
@@ -354,7 +332,7 @@ class _Parser:
         """Read `count` strings, each checked to be UTF-8: a model's vocabulary and merges."""
         self.need(count * 8, f"array of {count} strings of '{key}'")  # bounds the edges' memory by the file's
         first = self.pos
-        edges, n = _string_edges(np.frombuffer(self.buf, np.uint8, count=self.size), first, count)
+        edges, n = string_edges(np.frombuffer(self.buf, np.uint8, count=self.size), first, count)
         if n < count:
             raise GGUFError(f"{self.path}: file is truncated or corrupt: string #{n} of '{key}' "
                             f"runs past the end of the file")
