@@ -1,4 +1,4 @@
-"""A model's panels saved in the model cache and mapped by later models (cache/panelfile.py):
+"""A model's panels saved in the model cache and mapped by later models (gguf/panelfile.py):
 the same bits as packing, keyed by the file and the layout, and never in the way."""
 import os
 
@@ -7,7 +7,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 import npllama
-from npllama.cache import panelfile
+from npllama.gguf import panelfile
 from npllama.engine import transformer
 from npllama.gguf.reader import GGUFFile
 from npllama.kernels.panels import pack_panels

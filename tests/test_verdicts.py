@@ -1,12 +1,12 @@
 """A model file's vocabulary checked once: later opens of the unchanged file skip the checks
-that read the whole vocabulary (cache/verdicts.py), and anything changed checks again."""
+that read the whole vocabulary (gguf/verdicts.py), and anything changed checks again."""
 import json
 import os
 
 import pytest
 
 import npllama
-from npllama.cache import verdicts
+from npllama.gguf import verdicts
 from npllama.gguf.reader import GGUFFile
 from npllama.text import tokenizer
 from tinygguf import write_tiny_llama

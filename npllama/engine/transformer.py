@@ -17,9 +17,9 @@ from numba import get_num_threads
 
 from ..arch import ARCHS
 from ..arch.weights import Layer, QWeight, f32
-from ..cache import panelfile, verdicts
 from ..cache.kvcache import KVCache
 from ..errors import GGUFError, PositionError
+from ..gguf import panelfile, verdicts
 from ..gguf.reader import GGUFFile, ModelConfig
 from ..kernels import aligned, cachestamp
 from ..kernels.attention import attend
@@ -239,7 +239,7 @@ class Transformer:
     def _pack_panels(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """(arena, {weight name: its panels, a view of the arena}) for every product weight of a
         type with panel kernels whose inputs are whole blocks of 32: mapped from the model
-        cache where an earlier process saved them (cache/panelfile.py), else packed (and saved).
+        cache where an earlier process saved them (gguf/panelfile.py), else packed (and saved).
         No product reads those weights' GGUF rows after that, so their pages leave the resident
         set as they are packed, a few MiB at a time (`GGUFFile.release`; a tied embedding's rows
         come back as tokens look them up): the peak holds the panels and one such part of the

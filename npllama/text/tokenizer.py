@@ -19,7 +19,7 @@ length, token texts must be unique valid text, types must lie in 1..6, and every
 two tokens whose concatenation is a token. Anything else is a GGUFError naming the key and entry.
 `check_metadata` runs these checks alone, without building the tokenizer (a model runs it when
 it opens a file, and skips the checks that read the whole vocabulary for a file unchanged since
-it passed them: cache/verdicts.py).
+it passed them: gguf/verdicts.py).
 llama.cpp's own tokenizer test vectors check each supported kind (tests/llama_vocabs.py).
 
 Token types follow GGUF: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
@@ -149,7 +149,7 @@ _PRE: dict[str, _Pre] = {
 _EOT_TEXTS = frozenset(("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
                         "<|end_of_text|>", "<EOT>", "<end_of_utterance>"))
 
-# The version of this module's checks, for the record of files that passed them (cache/verdicts.py):
+# The version of this module's checks, for the record of files that passed them (gguf/verdicts.py):
 # the hash of its source. None where it cannot be read (no pass is then recorded or believed).
 try:
     CHECK_VERSION: str | None = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
@@ -353,7 +353,7 @@ def check_metadata(meta: Mapping[str, Any], *, passed: bool = False) -> "_Vocabu
     Each error names the key and the offending entry.
 
     `passed`: this metadata passed the check of this `CHECK_VERSION` before (a model file
-    unchanged since: cache/verdicts.py), so the checks that read the whole token and merge
+    unchanged since: gguf/verdicts.py), so the checks that read the whole token and merge
     lists (unique tokens, merges of tokens) are skipped; the others are cheap and run.
     """
     return _read_vocabulary(meta, passed)

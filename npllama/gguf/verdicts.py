@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 
-from ..gguf.hub import cache_dir
+from .hub import cache_dir
 
 KEEP = 256
 

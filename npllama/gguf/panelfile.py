@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..gguf.hub import cache_dir
+from .hub import cache_dir
 
 MIN_BYTES = 32 << 20
 HEADER = 4096  # the panels start a page into the file (on a cache line, as the kernels want them)
