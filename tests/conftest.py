@@ -10,6 +10,10 @@ from require import unavailable
 # NUMBA_ENABLE_CUDASIM=1, which Numba reads when it is imported (`make test` runs both).
 collect_ignore = [] if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else ["cuda"]
 
+# Models made in temporary folders would save their panels (up to hundreds of MB each) in the
+# user's model cache; the tests of that cache (test_panelfile.py) turn it on in a cache of their own.
+os.environ.setdefault("NPLLAMA_PANEL_CACHE", "0")
+
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
 def threads(request):

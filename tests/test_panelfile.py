@@ -27,11 +27,11 @@ def _entries(cache):
     return sorted(p.name for p in cache.iterdir()) if cache.exists() else []
 
 
-def _model(path, monkeypatch, packs: bool):
+def _model(path, monkeypatch, packs: bool, **options):
     """A model of `path` with its panels made; `packs`: whether it must pack them (else map them)."""
     if not packs:
         monkeypatch.setattr(transformer, "pack_panels", lambda *a, **k: pytest.fail("packed, not mapped"))
-    m = npllama.Model(path)
+    m = npllama.Model(path, **options)
     m.panel_arena
     monkeypatch.setattr(transformer, "pack_panels", pack_panels)
     return m
@@ -119,3 +119,21 @@ def test_off_small_or_unwritable(tmp_path, cache, monkeypatch):
     monkeypatch.setenv("NPLLAMA_CACHE", str(tmp_path / "blocker" / "cache"))
     m = _model(path, monkeypatch, packs=True)
     assert m.generate([1, 2, 3], max_tokens=2, temperature=0) is not None
+
+
+@pytest.mark.model
+def test_the_default_model_saved_then_mapped(default_model_path, tmp_path, monkeypatch):
+    """The default model's 96 MB of panels (over MIN_BYTES) saved by one model, in a cache of
+    the test's own, and mapped by the next: the same logits as packed panels, in both modes."""
+    monkeypatch.setenv("NPLLAMA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("NPLLAMA_PANEL_CACHE", raising=False)
+    saver = _model(default_model_path, monkeypatch, packs=True)
+    assert saver.panel_arena.nbytes >= panelfile.MIN_BYTES and len(_entries(tmp_path / "cache" / "panels")) == 1
+    ids = saver.tokenize("The capital of France is")
+    for activations in ("f32", "int8"):
+        mapped = _model(default_model_path, monkeypatch, packs=False, activations=activations)
+        monkeypatch.setenv("NPLLAMA_PANEL_CACHE", "0")
+        packed = _model(default_model_path, monkeypatch, packs=True, activations=activations)
+        monkeypatch.delenv("NPLLAMA_PANEL_CACHE")
+        np.testing.assert_array_equal(mapped.forward(ids, 0, mapped.new_cache()),
+                                      packed.forward(ids, 0, packed.new_cache()))
