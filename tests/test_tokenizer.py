@@ -68,6 +68,29 @@ def tiny() -> Tokenizer:
     return Tokenizer.from_metadata(gpt2_meta())
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_collector_paused_while_a_vocabulary_is_read_and_built(monkeypatch, enabled):
+    """Checking and building pause the cyclic collector (their ~100k acyclic objects would set
+    off collections) and leave it as they found it, also when they fail."""
+    import gc
+    from npllama.text import tokenizer
+    seen = []
+    build = Tokenizer._build_byte_level
+    monkeypatch.setattr(Tokenizer, "_build_byte_level", staticmethod(lambda *a: (seen.append(gc.isenabled()), build(*a))[1]))
+    pairs = tokenizer._merge_pairs
+    monkeypatch.setattr(tokenizer, "_merge_pairs", lambda *a: (seen.append(gc.isenabled()), pairs(*a))[1])
+    (gc.enable if enabled else gc.disable)()
+    try:
+        Tokenizer.from_metadata(gpt2_meta())
+        assert gc.isenabled() == enabled
+        with pytest.raises(GGUFError):
+            Tokenizer.from_metadata(gpt2_meta(**{"tokenizer.ggml.merges": ["zz qq"]}))
+        assert gc.isenabled() == enabled
+    finally:
+        gc.enable()
+    assert seen and not any(seen)
+
+
 def test_tiny_model_file(tiny_model_path, tiny):
     tok = Tokenizer.from_metadata(gguf_metadata(tiny_model_path))
     tokens, _, _ = tiny_vocab()
