@@ -5,8 +5,9 @@
 
 Prints peak RSS (which counts the memory-mapped weights once they are read), the model file
 size, the KV cache size, the runtime's own footprint (Python, NumPy, Numba and its LLVM JIT,
-measured before the model is touched), and what is left over (with ``--activations int8``, it
-includes the weights' panels, a second copy that the products read, printed), then what the runtime is made of: LLVM's shared library, and whether Numba
+measured before the model is touched), the weights' panels (what the products read) where they
+are mapped from the model cache, and what is left over (which holds the panels where this process
+packed them), then what the runtime is made of: LLVM's shared library, and whether Numba
 imported SciPy (it does at its first compile or cache load when SciPy is installed, for
 BLAS). With --llama-cpp, the same tokens through llama-cpp-python in a fresh process of the
 references' python (../shared/tools/setup-refs.sh, or $NPLLAMA_REF_PY), with a context of the
@@ -57,6 +58,7 @@ def main():
     ap.add_argument("--llama-cpp", action="store_true", help="also llama-cpp-python's peak RSS on the same tokens")
     args = ap.parse_args()
     import npllama
+    from npllama.gguf import panelfile
     from npllama.kernels import quants
     from npllama.kernels.codepages import resident_mib
     quants.dequantize(np.zeros((1, 34), np.uint8), 8)  # start Numba's JIT: part of the runtime
@@ -69,15 +71,16 @@ def main():
     s.feed(ids[-1:])
     dt = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    file_mib = resident_mib(os.path.basename(m.path))  # int8 mode drops the rows it has panels of
+    file_mib = resident_mib(os.path.realpath(m.path))  # the rows with panels leave the resident set as they are packed
+    mapped = resident_mib(str(panelfile.directory()))  # the panels, where mapped from the model cache
     kv = s.cache.nbytes / 2**20
     print(f"{args.tokens}-token session ({dt:.1f} s): peak RSS {peak:.0f} MiB = model file {file_mib:.0f} "
-          f"(resident, of {os.path.getsize(m.path) / 2**20:.0f}) + KV cache {kv:.0f} ({s.cache.dtype}, capacity "
-          f"{s.cache.capacity}) + runtime {runtime:.0f} + other {peak - file_mib - kv - runtime:.0f} MiB")
-    if args.activations == "int8":
-        panels = m.panel_arena.nbytes / 2**20
-        print(f"int8 mode: the panels of the prefill, decode and batched products {panels:.0f} MiB (in 'other'; "
-              f"the file's rows of those weights leave the resident set as they are packed)")
+          f"(resident, of {os.path.getsize(m.path) / 2**20:.0f}) + panels mapped from the model cache {mapped:.0f} "
+          f"+ KV cache {kv:.0f} ({s.cache.dtype}, capacity {s.cache.capacity}) + runtime {runtime:.0f} "
+          f"+ other {peak - file_mib - mapped - kv - runtime:.0f} MiB")
+    panels = m.panel_arena.nbytes / 2**20
+    print(f"the panels of the products: {panels:.0f} MiB, " + ("mapped from the model cache (gguf/panelfile.py)"
+                                                              if mapped else "packed in this process (in 'other')"))
     print(f"runtime: LLVM's library {llvm:.0f} MiB resident; Numba imported SciPy for its BLAS bindings: "
           f"{'yes' if scipy else 'no'}")
     if args.llama_cpp:
