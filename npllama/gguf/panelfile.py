@@ -8,13 +8,14 @@ processes map it: its pages come from the OS's page cache, neither packed nor ze
 processes that run the same model (a server's workers, a pipeline's) share them.
 
 An entry is named by the model file's name and a hash of its path, and keyed (in its header)
-by the file's identity (device, inode, size, modification time), the panels' layout (each
+by the identity of the file as opened (`GGUFFile.stat`: device, inode, size, modification
+time), the panels' layout (each
 weight's name, type and shape) and the compiled kernels' source stamp (kernels/cachestamp.py,
 which changes with the packing code). Any mismatch, or a file of the wrong size, and the
 panels are packed again and saved anew; saving a model's entry removes its older ones. The
 file is written whole (and synced) under a temporary name and renamed into place, so a
-process never maps a part-written entry. The mapping is private (copy-on-write): the kernels
-see a writable array and never write it.
+process never maps a part-written entry (the save adds ~0.05-0.09 s to a model's first run).
+The mapping is private (copy-on-write): the kernels see a writable array and never write it.
 
 Arenas under `MIN_BYTES` are not saved (they pack in a few ms). ``NPLLAMA_PANEL_CACHE=0``
 turns saving and loading off. A cache directory that cannot be written only means packing
