@@ -56,16 +56,23 @@ def test_saved_then_mapped(tmp_path, cache, monkeypatch):
 
 def test_a_changed_file_is_packed_again(tmp_path, cache, monkeypatch):
     """A model file rewritten (another modification time) packs again, and its entry replaces
-    the old one; another file of the same name elsewhere has an entry of its own, removed once
-    that file is gone."""
+    the old one (files there that are not entries stay); another file of the same name
+    elsewhere has an entry of its own, removed once that file is gone."""
     path = write_tiny_llama(tmp_path / "m.gguf", qtype=QT.Q4_1)
     _model(path, monkeypatch, packs=True)
     (old,) = _entries(cache)
+    foreign = [cache / "m.gguf.notes.panels", cache / ".someone.tmp"]  # not entries: kept
+    stale = cache / f".{old}.4242.tmp"  # a save killed long ago: removed
+    for f in foreign + [stale]:
+        f.write_text("somebody else's")
+        os.utime(f, (1, 1))
     st = os.stat(path)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     _model(path, monkeypatch, packs=True)
-    (new,) = _entries(cache)
-    assert new != old
+    (new,) = (e for e in _entries(cache) if e not in {f.name for f in foreign})
+    assert new != old and all(f.read_text() == "somebody else's" for f in foreign) and not stale.exists()
+    for f in foreign:
+        f.unlink()
     (tmp_path / "b").mkdir()
     other = write_tiny_llama(tmp_path / "b" / "m.gguf", qtype=QT.Q4_1)
     _model(other, monkeypatch, packs=True)

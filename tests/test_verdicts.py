@@ -64,7 +64,9 @@ def test_a_failed_check_is_not_recorded(tmp_path, cache, monkeypatch):
 
 
 @pytest.mark.parametrize("record", ["not json", "[1, 2]", None])
-def test_a_damaged_or_unwritable_record_means_checking(tmp_path, cache, monkeypatch, record):
+def test_a_foreign_or_unwritable_record_means_checking(tmp_path, cache, monkeypatch, record):
+    """A file of the record's name that is not a record is left as it is (it may be somebody
+    else's), and a cache that cannot be written records nothing: every open checks."""
     path = write_tiny_llama(tmp_path / "m.gguf")
     if record is None:  # a file where a folder of the cache's path would be
         (tmp_path / "blocker").write_text("not a directory")
@@ -73,7 +75,9 @@ def test_a_damaged_or_unwritable_record_means_checking(tmp_path, cache, monkeypa
         cache.parent.mkdir(parents=True)
         cache.write_text(record)
     _open(path, monkeypatch, checks=True)
-    _open(path, monkeypatch, checks=True if record is None else False)
+    _open(path, monkeypatch, checks=True)
+    if record is not None:
+        assert cache.read_text() == record
 
 
 def test_the_latest_passes_are_kept(tmp_path, cache, monkeypatch):

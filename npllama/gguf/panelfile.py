@@ -28,6 +28,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import time
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from .hub import cache_dir
 MIN_BYTES = 32 << 20
 HEADER = 4096  # the panels start a page into the file (on a cache line, as the kernels want them)
 _MAGIC = b"npllama panels 1\n"
+_TEMPORARY = re.compile(r"\..+\.panels\.\d+\.tmp")  # a save's file before its rename (`save`)
 
 
 def enabled() -> bool:
@@ -111,10 +113,10 @@ def save(file, layout: list, stamp: str, panels: np.ndarray) -> Path | None:
     for old in path.parent.iterdir():  # the model's other entries, those of files since removed,
         try:                             # and saves killed an hour ago
             if old.name.endswith(".panels") and old != path:
-                named = _model_of(old)
-                if old.name.startswith(model) or named is None or not os.path.exists(named):
+                named = _model_of(old)  # None: not an entry (no file of another's is removed)
+                if named is not None and (old.name.startswith(model) or not os.path.exists(named)):
                     old.unlink()
-            elif old.name.endswith(".tmp") and time.time() - old.stat().st_mtime > 3600:
+            elif _TEMPORARY.fullmatch(old.name) and time.time() - old.stat().st_mtime > 3600:
                 old.unlink()
         except OSError:
             pass

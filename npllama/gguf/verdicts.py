@@ -11,7 +11,8 @@ hash). A pass is believed only under the same key; any change to the file or the
 again.
 
 The record keeps the latest `KEEP` passes, and is written whole under a temporary name and
-renamed into place. One that cannot be read or written only means checking again.
+renamed into place. One that cannot be read or written only means checking again; a file of
+that name that is not a record is left as it is.
 """
 from __future__ import annotations
 
@@ -33,26 +34,32 @@ def _key(file, version: str) -> tuple[str, list]:
     return os.path.realpath(file.path), [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, version]
 
 
-def _read() -> dict:
+def _read() -> dict | None:
+    """The passes recorded; {} where there is no record, None where the file there is not
+    one (unreadable, or not a JSON object: it is then left as it is, and no pass recorded)."""
     try:
         with open(_path(), encoding="utf-8") as f:
             passes = json.load(f)
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return {}
-    return passes if isinstance(passes, dict) else {}
+    except (OSError, ValueError):
+        return None
+    return passes if isinstance(passes, dict) else None
 
 
 def passed(check: str, version: str, file) -> bool:
     """Whether the model file that GGUFFile `file` opened passed `check` of `version` (the file
     as it was opened: a file that changed since is another)."""
     real, key = _key(file, version)
-    return _read().get(f"{check} {real}") == key
+    return (_read() or {}).get(f"{check} {real}") == key
 
 
 def record(check: str, version: str, file) -> None:
     """Remember that the model file that GGUFFile `file` opened passed `check` of `version`."""
     real, key = _key(file, version)
     passes = _read()
+    if passes is None:
+        return
     passes.pop(f"{check} {real}", None)
     passes[f"{check} {real}"] = key  # the latest last: the oldest go first
     path = _path()
