@@ -82,6 +82,15 @@ def test_a_changed_file_is_packed_again(tmp_path, cache, monkeypatch):
     assert len(_entries(cache)) == 2 and new in _entries(cache)
 
 
+def test_a_path_that_is_not_utf8(tmp_path, cache, monkeypatch):
+    """A model file whose name is not UTF-8 (Linux allows any bytes) is saved and mapped too."""
+    path = os.fsdecode(os.path.join(os.fsencode(str(tmp_path)), b"m\xff.gguf"))
+    write_tiny_llama(path, qtype=QT.Q4_1)
+    first = _model(path, monkeypatch, packs=True)
+    assert len(_entries(cache)) == 1
+    np.testing.assert_array_equal(_model(path, monkeypatch, packs=False).panel_arena, first.panel_arena)
+
+
 def test_another_layout_does_not_map_the_entry(tmp_path, cache):
     """An entry answers only the layout (weights, types, shapes) and size it was saved for."""
     path = GGUFFile(write_tiny_llama(tmp_path / "m.gguf", qtype=QT.Q4_1))

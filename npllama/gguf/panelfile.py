@@ -56,7 +56,7 @@ def _entry(file, layout: list, stamp: str) -> tuple[Path, str, bytes]:
     real, st = os.path.realpath(file.path), file.stat
     identity = [real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, layout, stamp]
     key = hashlib.sha256(json.dumps(identity).encode()).hexdigest()
-    model = f"{os.path.basename(real)}.{hashlib.sha256(real.encode()).hexdigest()[:12]}."
+    model = f"{os.path.basename(real)}.{hashlib.sha256(os.fsencode(real)).hexdigest()[:12]}."
     header = b"".join((_MAGIC, key.encode(), b"\n", os.fsencode(real), b"\n"))
     if len(header) > HEADER:
         raise OSError(f"a model path of {len(real)} bytes does not fit an entry's header")
