@@ -62,7 +62,7 @@ def test_a_changed_file_is_packed_again(tmp_path, cache, monkeypatch):
     _model(path, monkeypatch, packs=True)
     (old,) = _entries(cache)
     foreign = [cache / "m.gguf.notes.panels", cache / ".someone.tmp"]  # not entries: kept
-    stale = cache / f".{old}.4242.tmp"  # a save killed long ago: removed
+    stale = cache / f".{old}.4242-0a1b2c3d.tmp"  # a save killed long ago: removed
     for f in foreign + [stale]:
         f.write_text("somebody else's")
         os.utime(f, (1, 1))

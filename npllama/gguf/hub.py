@@ -136,15 +136,34 @@ def _verify(path: Path, sha256: str) -> str | None:
     return None
 
 
-def _record(path: Path, stamp: dict, sha256: str) -> None:
-    """Write the sidecar atomically; a cache we cannot write to just means hashing again next time."""
+def write_whole(path: Path, *chunks, sync: bool = False) -> bool:
+    """Write `chunks` (bytes-like) to `path` (its folders made) under a temporary name (`_unique`)
+    renamed into place, so that no reader sees part of it; `sync`: on disk before the rename.
+    False where it could not be written (the temporary file removed): the model cache's files
+    other than models are kept for speed alone, and not writing one only means working it out
+    again next time."""
     tmp = _unique(path, ".tmp")
     try:
-        with open(tmp, "x") as f:
-            json.dump({**stamp, "sha256": sha256}, f)
-        os.replace(tmp, _sidecar(path))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "xb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
     except OSError:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        return False
+    return True
+
+
+def _record(path: Path, stamp: dict, sha256: str) -> None:
+    """Write the sidecar; a cache we cannot write to just means hashing again next time."""
+    write_whole(_sidecar(path), json.dumps({**stamp, "sha256": sha256}).encode())
 
 
 def pull(name: str = DEFAULT_MODEL, *, progress: bool | None = None, force: bool = False) -> Path:

@@ -8,8 +8,8 @@ processes map it: its pages come from the OS's page cache, neither packed nor ze
 processes that run the same model (a server's workers, a pipeline's) share them.
 
 An entry is named by the model file's name and a hash of its path, and keyed (in its header)
-by the identity of the file as opened (`GGUFFile.stat`: device, inode, size, modification
-time), the panels' layout (each
+by the identity of the file as opened (`GGUFFile.identity`: device, inode, size,
+modification time), the panels' layout (each
 weight's name, type and shape) and the compiled kernels' source stamp (kernels/cachestamp.py,
 which changes with the packing code). Any mismatch, or a file of the wrong size, and the
 panels are packed again and saved anew; saving a model's entry removes its older ones. The
@@ -34,12 +34,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .hub import cache_dir
+from .hub import cache_dir, write_whole
 
 MIN_BYTES = 32 << 20
 HEADER = 4096  # the panels start a page into the file (on a cache line, as the kernels want them)
 _MAGIC = b"npllama panels 1\n"
-_TEMPORARY = re.compile(r"\..+\.panels\.\d+\.tmp")  # a save's file before its rename (`save`)
+_TEMPORARY = re.compile(r"\..+\.panels\.\d+-[0-9a-f]+\.tmp")  # a save's file before its rename (`hub._unique`)
 
 
 def enabled() -> bool:
@@ -53,9 +53,8 @@ def directory() -> Path:
 def _entry(file, layout: list, stamp: str) -> tuple[Path, str, bytes]:
     """(the entry's path, the start of the names of the model's entries, its header: the key
     and the model file's path) for the model file that GGUFFile `file` opened."""
-    real, st = os.path.realpath(file.path), file.stat
-    identity = [real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, layout, stamp]
-    key = hashlib.sha256(json.dumps(identity).encode()).hexdigest()
+    real = file.identity[0]
+    key = hashlib.sha256(json.dumps([*file.identity, layout, stamp]).encode()).hexdigest()
     model = f"{os.path.basename(real)}.{hashlib.sha256(os.fsencode(real)).hexdigest()[:12]}."
     header = b"".join((_MAGIC, key.encode(), b"\n", os.fsencode(real), b"\n"))
     if len(header) > HEADER:
@@ -95,20 +94,8 @@ def save(file, layout: list, stamp: str, panels: np.ndarray) -> Path | None:
         path, model, header = _entry(file, layout, stamp)
     except OSError:
         return None
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "xb") as f:
-            f.write(header.ljust(HEADER, b"\0"))
-            f.write(memoryview(np.ascontiguousarray(panels).reshape(-1)))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
+    if not write_whole(path, header.ljust(HEADER, b"\0"), memoryview(np.ascontiguousarray(panels).reshape(-1)),
+                       sync=True):
         return None
     for old in path.parent.iterdir():  # the model's other entries, those of files since removed,
         try:                             # and saves killed an hour ago

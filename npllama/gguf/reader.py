@@ -139,7 +139,9 @@ class GGUFFile:
 
     Attributes:
         path: the file path as a string.
-        stat: the os.stat_result of the file opened (what the model cache's records key on).
+        identity: [real path, device, inode, size, modification time in ns] of the file as it
+            was opened: what the model cache's entries derived from it are keyed by
+            (gguf/panelfile.py, gguf/verdicts.py); a file changed or replaced since is another.
         version: the GGUF format version (2 or 3).
         metadata: key -> value, in file order. Scalars are int, float or bool, strings are str,
             arrays of strings (tokenizer.ggml.tokens, .merges) are `StringArray`s (read-only
@@ -161,11 +163,12 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = os.fspath(path)
         with open(self.path, "rb") as f:
-            self.stat = os.fstat(f.fileno())
-            size = self.stat.st_size
+            st = os.fstat(f.fileno())
+            size = st.st_size
             if size < 4 + 4 + 8 + 8:
                 raise GGUFError(f"{self.path}: file is truncated: {size} bytes is shorter than a GGUF header (24 bytes)")
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.identity = [os.path.realpath(self.path), st.st_dev, st.st_ino, size, st.st_mtime_ns]
         self.buffer = np.frombuffer(mm, dtype=np.uint8)
         self._mm = mm
         parser = _Parser(self.path, mm, size)

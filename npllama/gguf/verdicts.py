@@ -17,9 +17,8 @@ that name that is not a record is left as it is.
 from __future__ import annotations
 
 import json
-import os
 
-from .hub import cache_dir
+from .hub import cache_dir, write_whole
 
 KEEP = 256
 
@@ -30,8 +29,8 @@ def _path():
 
 def _key(file, version: str) -> tuple[str, list]:
     """(the real path of GGUFFile `file`, the key of a pass of a check of `version` on it)."""
-    st = file.stat
-    return os.path.realpath(file.path), [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, version]
+    real, *stat = file.identity
+    return real, [*stat, version]
 
 
 def _read() -> dict | None:
@@ -62,15 +61,4 @@ def record(check: str, version: str, file) -> None:
         return
     passes.pop(f"{check} {real}", None)
     passes[f"{check} {real}"] = key  # the latest last: the oldest go first
-    path = _path()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(dict(list(passes.items())[-KEEP:]), f)
-        os.replace(tmp, path)
-    except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+    write_whole(_path(), json.dumps(dict(list(passes.items())[-KEEP:])).encode())
