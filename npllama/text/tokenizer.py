@@ -357,6 +357,7 @@ def _collector_paused():
             gc.enable()
 
 
+@_collector_paused()
 def check_metadata(meta: Mapping[str, Any], *, passed: bool = False) -> "_Vocabulary":
     """The vocabulary of `meta`, for `Tokenizer.from_vocabulary`; GGUFError (a ValueError)
     unless it is one npllama can tokenize with.
@@ -372,8 +373,7 @@ def check_metadata(meta: Mapping[str, Any], *, passed: bool = False) -> "_Vocabu
     unchanged since: gguf/verdicts.py), so the checks that read the whole token and merge
     lists (unique tokens, merges of tokens) are skipped; the others are cheap and run.
     """
-    with _collector_paused():
-        return _read_vocabulary(meta, passed)
+    return _read_vocabulary(meta, passed)
 
 
 def _read_vocabulary(meta: Mapping[str, Any], passed: bool = False) -> _Vocabulary:
@@ -489,13 +489,9 @@ class Tokenizer:
         return cls.from_vocabulary(check_metadata(meta))
 
     @classmethod
+    @_collector_paused()
     def from_vocabulary(cls, v: "_Vocabulary") -> "Tokenizer":
         """Build the tokenizer from a vocabulary `check_metadata` returned (already checked)."""
-        with _collector_paused():
-            return cls._from_vocabulary(v)
-
-    @classmethod
-    def _from_vocabulary(cls, v: "_Vocabulary") -> "Tokenizer":
         from tokenizers import AddedToken
         tokens = list(v.tokens)  # decoded once (a file's StringArray decodes on each read)
         types = np.asarray(v.types)
