@@ -2,8 +2,9 @@
 zero-copy tensor views on a read-only memory map, and the validated `ModelConfig` that the
 file's architecture module (npllama.arch) reads from it.
 
-The file is parsed here rather than by `gguf.GGUFReader`, whose format constants it reuses.
-GGUFReader builds one numpy view per string, which makes opening a model with a 49k-token
+The file is parsed here rather than by `gguf.GGUFReader`, with the format's numbers written
+out (`VT` here, the tensor types in `kernels.qtypes`; tests compare them with gguf's), as
+importing gguf takes ~0.02 s of a short `npllama run`. GGUFReader builds one numpy view per string, which makes opening a model with a 49k-token
 vocabulary take seconds, and on a corrupted length or count it loops or allocates without bound.
 This parser reads GGUF versions 2 and 3 (little-endian), checks every length and count against
 the bytes that remain before using it, and turns every problem into a `GGUFError` that names the
@@ -20,20 +21,36 @@ import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import IntEnum
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUFValueType as VT
-from gguf import GGMLQuantizationType as QT
 
 from ..arch import ARCHS, SUPPORTED_ARCHS, ModelConfig
 from ..arch.base import Meta, read_key as _key
 from ..errors import GGUFError
+from ..kernels.qtypes import BLOCK_SIZES, QT, type_name
 from ..kernels.strings import string_edges
 
-SUPPORTED_QTYPES = frozenset({
-    QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1,
-    QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K,
-})
+
+class VT(IntEnum):
+    """The types of GGUF metadata values (gguf's GGUFValueType)."""
+    UINT8 = 0
+    INT8 = 1
+    UINT16 = 2
+    INT16 = 3
+    UINT32 = 4
+    INT32 = 5
+    FLOAT32 = 6
+    BOOL = 7
+    STRING = 8
+    ARRAY = 9
+    UINT64 = 10
+    INT64 = 11
+    FLOAT64 = 12
+
+
+DEFAULT_ALIGNMENT = 32  # of the tensor data, where general.alignment does not say (gguf's GGUF_DEFAULT_ALIGNMENT)
+SUPPORTED_QTYPES = frozenset(QT)
 _FLOAT_DTYPES = {QT.F32: np.dtype("<f4"), QT.F16: np.dtype("<f2"), QT.BF16: np.dtype("<u2")}
 _SCALAR_FORMATS = {
     VT.UINT8: "<B", VT.INT8: "<b", VT.UINT16: "<H", VT.INT16: "<h", VT.UINT32: "<I",
@@ -214,7 +231,7 @@ class GGUFFile:
 
     def _tensor(self, name: str, qtype: QT, dims: tuple[int, ...], rel_offset: int) -> TensorInfo:
         """Check one tensor-table entry against the file and build its zero-copy view."""
-        block, type_size = GGML_QUANT_SIZES[qtype]
+        block, type_size = BLOCK_SIZES[qtype]
         if dims[0] % block:
             raise GGUFError(f"{self.path}: tensor '{name}' has {dims[0]} elements per row, which is not a "
                             f"multiple of the {qtype.name} block size {block}; the size is inconsistent with the type")
@@ -357,21 +374,21 @@ class _Parser:
         if 0 in dims:
             raise GGUFError(f"{self.path}: tensor '{name}' has a zero-size dimension: {dims}")
         type_id = self.scalar("<I", f"type of tensor '{name}'")
-        try:
-            qtype = QT(type_id)
-        except ValueError:
-            raise GGUFError(f"{self.path}: tensor '{name}' has unknown type id {type_id}") from None
-        if qtype not in SUPPORTED_QTYPES:
+        if type_id not in SUPPORTED_QTYPES:
+            known = type_name(type_id)
+            if known is None:
+                raise GGUFError(f"{self.path}: tensor '{name}' has unknown type id {type_id}")
             supported = ", ".join(sorted(q.name for q in SUPPORTED_QTYPES))
-            raise GGUFError(f"{self.path}: tensor '{name}' has quant type {qtype.name}, which npllama does not "
+            raise GGUFError(f"{self.path}: tensor '{name}' has quant type {known}, which npllama does not "
                             f"support (supported: {supported}); use a GGUF quantized to one of those")
+        qtype = QT(type_id)
         offset = self.scalar("<Q", f"data offset of tensor '{name}'")
         return name, qtype, dims, offset
 
 
 def _alignment(path: str, metadata: dict) -> int:
     """The tensor data alignment: general.alignment (a power of two) or the GGUF default."""
-    align = metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
+    align = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     if not isinstance(align, int) or isinstance(align, bool) or align <= 0 or align & (align - 1):
         raise GGUFError(f"{path}: general.alignment is {align!r}; it must be a positive power of two")
     return align

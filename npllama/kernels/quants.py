@@ -1,7 +1,7 @@
 """Dequantization and quantized matrix products for the GGML block formats, in Numba.
 
 Data layout follows GGUF: a tensor of shape (..., n) is stored as uint8 rows of
-``row_bytes(qtype, n)`` bytes, each row a run of blocks of ``GGML_QUANT_SIZES[qtype]``.
+``row_bytes(qtype, n)`` bytes, each row a run of blocks of ``qtypes.BLOCK_SIZES[qtype]``.
 
 Public API (Python level, validates its inputs):
 
@@ -45,12 +45,12 @@ from typing import NamedTuple
 
 import llvmlite.binding as llvm
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from llvmlite import ir
 from numba import config as numba_config, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .qtypes import BLOCK_SIZES, QT, type_name
 from .threads import single_threaded_blas
 
 # Product kernels may reassociate and contract, but must keep inf/nan semantics.
@@ -1220,7 +1220,7 @@ _KERNELS = {
 }
 
 _REGISTRY: dict[QT, _Spec] = {
-    qt: _Spec(qt, *GGML_QUANT_SIZES[qt], row_fn) for qt, row_fn in _KERNELS.items()
+    qt: _Spec(qt, *BLOCK_SIZES[qt], row_fn) for qt, row_fn in _KERNELS.items()
 }
 
 SUPPORTED_TYPES: tuple[QT, ...] = tuple(_REGISTRY)
@@ -1236,10 +1236,12 @@ def _spec(qtype) -> _Spec:
         pass
     supported = ", ".join(t.name for t in SUPPORTED_TYPES)
     try:
-        qt = QT(int(qtype))
+        name = type_name(int(qtype))
     except (TypeError, ValueError):
-        raise ValueError(f"unknown quantization type {qtype!r}; supported types: {supported}") from None
-    raise ValueError(f"quantization type {qt.name} is not supported; supported types: {supported}")
+        name = None
+    if name is None:
+        raise ValueError(f"unknown quantization type {qtype!r}; supported types: {supported}")
+    raise ValueError(f"quantization type {name} is not supported; supported types: {supported}")
 
 
 def row_elems(qtype, row_bytes: int) -> int:

@@ -1,0 +1,40 @@
+"""npllama's own copy of the GGUF format's numbers (kernels/qtypes.py, reader.VT) is gguf's:
+the tensor types' ids, names and blocks, the metadata value types, the default alignment;
+and reading a model does not import gguf, which is why the copy exists."""
+import os
+import subprocess
+import sys
+
+import gguf
+import pytest
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+from npllama.gguf import reader
+from npllama.kernels.qtypes import BLOCK_SIZES, QT, type_name
+
+
+def test_tensor_types_are_ggufs():
+    assert {q.name: int(q) for q in QT} == {q.name: int(GGMLQuantizationType[q.name]) for q in QT}
+    assert BLOCK_SIZES == {q: GGML_QUANT_SIZES[GGMLQuantizationType(q)] for q in QT}
+    for q in QT:  # gguf's members, ours and ints are the same keys
+        assert BLOCK_SIZES[GGMLQuantizationType(q)] == BLOCK_SIZES[int(q)] == BLOCK_SIZES[q]
+
+
+def test_value_types_and_alignment_are_ggufs():
+    assert {v.name: int(v) for v in reader.VT} == {v.name: int(v) for v in GGUFValueType}
+    assert reader.DEFAULT_ALIGNMENT == gguf.GGUF_DEFAULT_ALIGNMENT
+
+
+def test_type_name():
+    assert type_name(int(QT.Q4_K)) == "Q4_K"
+    assert type_name(int(GGMLQuantizationType.IQ2_XXS)) == "IQ2_XXS"  # gguf's, a type npllama does not read
+    assert type_name(250) is None
+
+
+@pytest.mark.model
+def test_reading_a_model_imports_no_gguf(default_model_path):
+    code = ("import sys, npllama; m = npllama.load(sys.argv[1]); m.complete('Hi', max_tokens=2, temperature=0); "
+            "print(sorted(n for n in sys.modules if n.split('.')[0] == 'gguf'))")
+    out = subprocess.run([sys.executable, "-c", code, str(default_model_path)], capture_output=True, text=True,
+                         env=os.environ, timeout=240, check=True).stdout
+    assert out.split() == ["[]"]
