@@ -428,6 +428,8 @@ def _read_vocabulary(meta: Mapping[str, Any], passed: bool = False) -> _Vocabula
             eot.add(tid)
     if index is not None:
         eot.update(index[text] for text in _EOT_TEXTS if text in index)
+    elif isinstance(tokens, StringArray):
+        eot.update(tokens.indexes_of(_EOT_TEXTS))
     else:
         eot.update(i for i, text in enumerate(tokens) if text in _EOT_TEXTS)
     # the family's default (when the file does not say) applies only to a vocabulary that has a BOS
