@@ -703,6 +703,7 @@ def _worker(argv: list[str]) -> None:
     # Compiled kernels are imported first, as they are: atheris would rewrite their bytecode,
     # which Numba compiles (and keys its cache on), and no Python runs inside them to cover.
     import npllama.kernels.strings  # noqa: F401 - the GGUF parser's string lengths
+    import npllama.kernels.splits  # noqa: F401 - a SentencePiece vocabulary's merges
     if INSTRUMENT[target]:  # (an empty include list would instrument every module imported)
         with atheris.instrument_imports(include=INSTRUMENT[target]):
             import npllama  # noqa: F401 - imports (and so instruments) the modules under test

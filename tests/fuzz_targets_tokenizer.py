@@ -261,6 +261,10 @@ def _is_pristine_gpt2(meta: dict) -> bool:
 
 def _worker(argv: list[str]) -> None:
     import atheris
+    # Compiled kernels are imported first, as they are: atheris instruments every module of the
+    # package imported under it, and would rewrite their bytecode, which Numba compiles.
+    import npllama.kernels.splits  # noqa: F401 - a SentencePiece vocabulary's merges
+    import npllama.kernels.strings  # noqa: F401 - the GGUF parser's string lengths
     with atheris.instrument_imports(include=INSTRUMENT):
         import npllama.gguf.reader  # noqa: F401 - imports (and so instruments) the modules under test
         import npllama.text.tokenizer  # noqa: F401

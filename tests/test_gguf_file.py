@@ -143,17 +143,11 @@ def test_string_arrays(tiny_model_path):
         assert arr[np.int64(3)] == tokens[3] and tokens[3] in arr and arr.index(tokens[3]) == 3
         assert meta["tokenizer.ggml.merges"] == merges and arr != meta["tokenizer.ggml.merges"]
         assert f"{len(tokens)} strings" in repr(arr)
+        made = StringArray.from_strings(tokens)  # laid out as the file lays them out
+        assert made == arr and bytes(made._data) == bytes(arr._data) and (made._edges == arr._edges).all()
+        data, starts, ends = arr.spans()
+        assert [bytes(data[a:b]).decode() for a, b in zip(starts, ends)] == tokens
 
-
-
-def _string_array(strings: list[str]) -> StringArray:
-    """A StringArray laid out as a file's: each string's UTF-8 after its 8-byte length."""
-    data, edges = b"", [0]
-    for s in strings:
-        b = s.encode()
-        data += struct.pack("<Q", len(b)) + b
-        edges.append(len(data))
-    return StringArray(data, np.array(edges, np.int64))
 
 
 @pytest.mark.parametrize("texts", [["<|im_end|>"], ["<|im_end|>", "b", "héllo", "", "absent", "b"], [], ["a\0b"]])
@@ -161,10 +155,10 @@ def test_indexes_of(texts):
     """The indexes of the strings equal to any of `texts`, in order, as a scan of the decoded
     strings finds them: multi-byte characters, an empty string, repeats, a NUL inside, none."""
     strings = ["<|im_end|>", "b", "héllo", "", "b", "<|im_end|", "<|im_end|>x", "hello", "a\0b", "ab", "<|im_end|>"]
-    arr = _string_array(strings)
+    arr = StringArray.from_strings(strings)
     assert arr.tolist() == strings
     assert arr.indexes_of(texts) == [i for i, s in enumerate(strings) if s in texts]
-    assert _string_array([]).indexes_of(texts) == []
+    assert StringArray.from_strings([]).indexes_of(texts) == []
 
 
 def _strings_reference(buf: bytes, start: int, count: int) -> tuple[list[int], int]:

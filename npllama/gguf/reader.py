@@ -77,6 +77,15 @@ class StringArray(Sequence[str]):
         # string i is data[edges[i] + 8:edges[i + 1]]
         self._data, self._edges = data, edges
 
+    @classmethod
+    def from_strings(cls, strings) -> "StringArray":
+        """The StringArray of `strings` (str), laid out as a file lays them out."""
+        encoded = [s.encode("utf-8") for s in strings]
+        lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
+        edges = np.zeros(len(encoded) + 1, np.int64)
+        np.cumsum(lengths + 8, out=edges[1:])
+        return cls(b"".join(n.tobytes() + b for n, b in zip(lengths.astype("<u8"), encoded)), edges)
+
     def __len__(self) -> int:
         return len(self._edges) - 1
 
@@ -91,6 +100,10 @@ class StringArray(Sequence[str]):
 
     def __iter__(self):
         return iter(self.tolist())
+
+    def spans(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(data, starts, ends): string i is the UTF-8 bytes data[starts[i]:ends[i]] (uint8, int64)."""
+        return np.frombuffer(self._data, np.uint8), self._edges[:-1] + 8, self._edges[1:]
 
     def byte_lengths(self) -> np.ndarray:
         """Each string's length in bytes (of its UTF-8), int64."""

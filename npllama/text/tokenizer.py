@@ -8,7 +8,8 @@ Three vocabulary kinds are supported, chosen by the metadata key `tokenizer.ggml
   (`_PRE` lists the values npllama knows; others are refused).
 * ``"llama"``: SentencePiece-style BPE (Llama 2, Phi-3, Gemma 3). Pieces are merged by score,
   as SentencePiece and llama.cpp do: the BPE merge list is derived from the vocabulary, each
-  split ``left + right`` of a piece ranked by that piece's score. Spaces become ``▁``, characters
+  split ``left + right`` of a piece ranked by that piece's score (the splits found by a kernel,
+  `kernels/splits.py`: 515k of them in Gemma 3's 262k pieces). Spaces become ``▁``, characters
   outside the vocabulary fall back to ``<0xNN>`` byte tokens, and a leading space is added to
   each text segment when `tokenizer.ggml.add_space_prefix` says so (Gemma 3 says not).
 * ``"gemma4"``: BPE with the file's merges on UTF-8 text whose spaces become ``▁``, with byte
@@ -46,6 +47,7 @@ import numpy as np
 
 from ..errors import GGUFError
 from ..gguf.reader import StringArray
+from ..kernels.splits import piece_splits
 
 # The `tokenizers` library and the chat templates' Jinja2 (.chat) are imported when a
 # tokenizer is first built and a template first rendered, not with npllama: a process that
@@ -301,24 +303,22 @@ def _meta_str(meta: Mapping[str, Any], key: str) -> str | None:
     return value
 
 
-def _spm_merges(vocab: Mapping[str, int], scores: Sequence[float]) -> list[tuple[str, str]]:
+def _spm_merges(tokens: list[str], scores: Sequence[float], pieces: StringArray | None = None) -> list[tuple[str, str]]:
     """BPE merges equivalent to SentencePiece's score-ordered merging.
 
     SentencePiece (and llama.cpp) repeatedly merge the adjacent pair whose concatenation is the
     highest-scoring piece of the vocabulary. Every split ``left + right`` of a piece whose halves
-    are both pieces is therefore a merge, ranked by the score of the whole piece.
+    are both pieces is therefore a merge, ranked by the score of the whole piece (among equal
+    scores, in the pieces' order, then the split's). The splits are found by a kernel
+    (`kernels.splits`) on the file's bytes, `pieces` (`tokens` as a StringArray), else on
+    `tokens` laid out as such.
     """
-    ranked: list[tuple[float, str, str]] = []
-    for piece, pid in vocab.items():
-        score = scores[pid]
-        for k in range(1, len(piece)):
-            left = piece[:k]
-            if left in vocab:
-                right = piece[k:]
-                if right in vocab:
-                    ranked.append((score, left, right))
-    ranked.sort(key=lambda m: -m[0])
-    return [(left, right) for _, left, right in ranked]
+    if pieces is None:
+        pieces = StringArray.from_strings(tokens)
+    whole, left, right = piece_splits(*pieces.spans())
+    order = np.argsort(-np.asarray(scores, np.float64)[whole], kind="stable")
+    strings = np.array(tokens, dtype=object)  # indexed by arrays: half the time of a lookup at a time
+    return list(zip(strings[left[order]].tolist(), strings[right[order]].tolist()))
 
 
 @dataclass
@@ -498,7 +498,8 @@ class Tokenizer:
         tokens = list(v.tokens)  # decoded once (a file's StringArray decodes on each read)
         types = np.asarray(v.types)
         index = dict(zip(tokens, range(len(tokens))))  # the pieces are unique: checked
-        merges = _merge_pairs(v.merges) if v.merges is not None else _spm_merges(index, v.scores)
+        merges = (_merge_pairs(v.merges) if v.merges is not None else
+                  _spm_merges(tokens, v.scores, v.tokens if isinstance(v.tokens, StringArray) else None))
         if v.spec is not None:
             hf = cls._build_byte_level(index, merges, v.spec)
         else:
