@@ -211,6 +211,55 @@ def test_string_edges_refuses_what_it_cannot_read():
             string_edges(buf, start, count)
 
 
+
+# byte strings at the edges of UTF-8's rules (RFC 3629, as Python's strict decoder keeps them)
+UTF8_CASES = [b"", b"plain", b"\0", b"\x7f", "é日🦙".encode(), b"\xc2\x80", b"\xdf\xbf", b"\xe0\xa0\x80",
+              b"\xed\x9f\xbf", b"\xee\x80\x80", b"\xf0\x90\x80\x80", b"\xf4\x8f\xbf\xbf",  # valid
+              b"\x80", b"\xbf", b"\xc0\x80", b"\xc1\xbf", b"\xe0\x80\x80", b"\xe0\x9f\xbf",  # stray, overlong
+              b"\xed\xa0\x80", b"\xed\xbf\xbf", b"\xf0\x80\x80\x80", b"\xf0\x8f\xbf\xbf",  # surrogates, overlong
+              b"\xf4\x90\x80\x80", b"\xf5\x80\x80\x80", b"\xff", b"\xfe",  # past U+10FFFF, never UTF-8
+              b"\xc3", b"\xe6\x97", b"\xf0\x9f\xa6", b"a\xc3(", b"\xe6(\x97", b"\xf0\x9f(\x99"]  # cut, broken
+
+
+def _first_bad_reference(strings: list[bytes]) -> int:
+    for i, b in enumerate(strings):
+        try:
+            b.decode("utf-8")
+        except UnicodeDecodeError:
+            return i
+    return -1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_first_bad_string(seed):
+    """The compiled UTF-8 check against Python's decoder: strings drawn from the cases above and
+    from random bytes, in strided and offset buffers. A string cut inside a character is bad even
+    where the next string's length would continue it."""
+    from npllama.kernels.strings import first_bad_string, string_edges
+    rng = np.random.default_rng(seed)
+    for _ in range(200):
+        strings = [UTF8_CASES[i] for i in rng.integers(0, len(UTF8_CASES), rng.integers(0, 6))]
+        if rng.random() < 0.3:
+            strings.append(rng.integers(0, 256, rng.integers(1, 8)).astype(np.uint8).tobytes())
+        buf = b"HEAD" + b"".join(struct.pack("<Q", len(b)) + b for b in strings) + b"\x80\x80"
+        raw = np.frombuffer(buf, np.uint8)
+        if rng.random() < 0.5:  # every other byte of a buffer twice as long
+            raw = np.repeat(raw, 2)[::2]
+        edges, n = string_edges(raw, 4, len(strings))
+        assert n == len(strings)
+        assert first_bad_string(raw, 4, edges) == _first_bad_reference(strings), strings
+
+
+def test_first_bad_string_refuses_what_it_cannot_read():
+    from npllama.kernels.strings import first_bad_string
+    ok = np.array([0, 9], np.int64)
+    for buf, start, edges in ((np.zeros(16, np.int32), 0, ok), (np.zeros(16, np.uint8), 8, ok),
+                              (np.zeros(16, np.uint8), 0, np.array([1, 10])), (np.zeros(16, np.uint8), 0, np.array([0, 5])),
+                              (np.zeros(16, np.uint8), 0, np.zeros(0, np.int64)), (np.zeros(16, np.uint8), -1, ok)):
+        with pytest.raises(ValueError, match="must be"):
+            first_bad_string(buf, start, edges)
+    assert first_bad_string(np.zeros(16, np.uint8), 3, np.zeros(1, np.int64)) == -1  # no strings
+
 def _string_at(path, key: str, i: int) -> int:
     """Byte offset of the 8-byte length of string #i of the string array `key`."""
     data = open(path, "rb").read()

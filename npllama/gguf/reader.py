@@ -9,8 +9,8 @@ vocabulary take seconds, and on a corrupted length or count it loops or allocate
 This parser reads GGUF versions 2 and 3 (little-endian), checks every length and count against
 the bytes that remain before using it, and turns every problem into a `GGUFError` that names the
 file, so nothing malformed ever reaches a kernel. (The lengths of an array of strings are read by
-a compiled loop, `kernels.strings`, that checks each against what remains of the file; the
-strings' UTF-8 is checked all at once.)
+a compiled loop, `kernels.strings`, that checks each against what remains of the file, and
+their UTF-8 by another, in place.)
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from ..arch import ARCHS, SUPPORTED_ARCHS, ModelConfig
 from ..arch.base import Meta, read_key as _key
 from ..errors import GGUFError
 from ..kernels.qtypes import BLOCK_SIZES, QT, type_name
-from ..kernels.strings import string_edges
+from ..kernels.strings import first_bad_string, string_edges
 
 
 class VT(IntEnum):
@@ -377,18 +377,17 @@ class _Parser:
         """Read `count` strings, each checked to be UTF-8: a model's vocabulary and merges."""
         self.need(count * 8, f"array of {count} strings of '{key}'")  # bounds the edges' memory by the file's
         first = self.pos
-        edges, n = string_edges(np.frombuffer(self.buf, np.uint8, count=self.size), first, count)
+        buf = np.frombuffer(self.buf, np.uint8, count=self.size)
+        edges, n = string_edges(buf, first, count)
+        bad = first_bad_string(buf, first, edges) if n == count else -1
+        del buf  # a view of the map must not outlive an error here: the failed parse closes the map
         if n < count:
             raise GGUFError(f"{self.path}: file is truncated or corrupt: string #{n} of '{key}' "
                             f"runs past the end of the file")
         self.pos = first + int(edges[-1])
-        strings = StringArray(self.buf[first:self.pos], edges)
-        try:
-            strings._joined().decode("utf-8")
-        except UnicodeDecodeError as e:  # name the string that holds the bad byte: #i starts at edges[i] - 7i
-            i = int(np.searchsorted(edges[:-1] - 7 * np.arange(count), e.start, "right")) - 1
-            raise GGUFError(f"{self.path}: string #{i} of '{key}' is not valid UTF-8") from None
-        return strings
+        if bad >= 0:
+            raise GGUFError(f"{self.path}: string #{bad} of '{key}' is not valid UTF-8")
+        return StringArray(self.buf[first:self.pos], edges)
 
     def tensor_info(self, name: str) -> tuple[str, QT, tuple[int, ...], int]:
         """Read the rest of one tensor-table entry after its name."""

@@ -1,13 +1,17 @@
-"""Where the strings of a GGUF array of strings lie: each string follows its length, a
-little-endian u64, so each one's place depends on all the lengths before it, a loop of one
-step a string (~0.2 us a string in Python: 20 ms for a 49k-token vocabulary and its merges;
-~1 ms compiled)."""
+"""Where the strings of a GGUF array of strings lie, and whether they are UTF-8.
+
+Each string follows its length, a little-endian u64, so each one's place depends on all the
+lengths before it, a loop of one step a string (~0.2 us a string in Python: 20 ms for a
+49k-token vocabulary and its merges; ~1 ms compiled). Their UTF-8 is checked in place, a
+string at a time, by the rules of Python's strict decoder (RFC 3629: no overlong forms, no
+surrogates, nothing past U+10FFFF): the bytes without their lengths put together first and
+decoded took 7 ms for SmolLM2's vocabulary and merges, 26 ms for Gemma 3's 262k pieces."""
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
-__all__ = ["string_edges"]
+__all__ = ["first_bad_string", "string_edges"]
 
 
 def string_edges(buf: np.ndarray, start: int, count: int) -> tuple[np.ndarray, int]:
@@ -40,3 +44,51 @@ def _string_edges(buf, start, count):
         pos += np.int64(n)
         edges[i + 1] = pos - start
     return edges, count
+
+
+def first_bad_string(buf: np.ndarray, start: int, edges: np.ndarray) -> int:
+    """The index of the first of the strings `string_edges` found (at `edges` from byte `start`
+    of `buf`) that is not valid UTF-8, else -1."""
+    if not (isinstance(buf, np.ndarray) and buf.dtype == np.uint8 and buf.ndim == 1):
+        raise ValueError(f"buf must be a 1-D uint8 array, got {getattr(buf, 'dtype', type(buf))} "
+                         f"{getattr(buf, 'shape', '')}")
+    edges = np.ascontiguousarray(edges, np.int64)
+    if edges.ndim != 1 or edges.size < 1 or (edges.size > 1 and (
+            edges[0] != 0 or (np.diff(edges) < 8).any() or start < 0 or start + edges[-1] > buf.size)):
+        raise ValueError(f"edges must be string_edges' for strings inside the buffer of {buf.size} bytes")
+    return _first_bad_string(np.ascontiguousarray(buf), start, edges)
+
+
+@njit(cache=True)
+def _first_bad_string(buf, start, edges):
+    for i in range(edges.size - 1):
+        p, end = start + edges[i] + 8, start + edges[i + 1]
+        while p < end:
+            c = buf[p]
+            if c < 0x80:
+                p += 1
+                continue
+            lo, hi = 0x80, 0xBF  # the range of the byte after the first
+            if 0xC2 <= c <= 0xDF:
+                n = 1
+            elif c == 0xE0:
+                n, lo = 2, 0xA0  # not overlong
+            elif c == 0xED:
+                n, hi = 2, 0x9F  # not a surrogate
+            elif 0xE1 <= c <= 0xEF:
+                n = 2
+            elif c == 0xF0:
+                n, lo = 3, 0x90  # not overlong
+            elif c == 0xF4:
+                n, hi = 3, 0x8F  # not past U+10FFFF
+            elif 0xF1 <= c <= 0xF3:
+                n = 3
+            else:  # a continuation byte first, or a byte UTF-8 never has
+                return i
+            if end - p <= n or not lo <= buf[p + 1] <= hi:
+                return i
+            for k in range(2, n + 1):
+                if not 0x80 <= buf[p + k] <= 0xBF:
+                    return i
+            p += n + 1
+    return -1
