@@ -117,7 +117,10 @@ class StringArray(Sequence[str]):
             want = np.frombuffer(text.encode("utf-8"), np.uint8)
             at = np.flatnonzero(lengths == want.size)
             if at.size and want.size:
-                at = at[(raw[(self._edges[at] + 8)[:, None] + np.arange(want.size)] == want).all(axis=1)]
+                starts = self._edges[at] + 8
+                keep = raw[starts] == want[0]  # the first byte first: few strings of a length share it
+                at, starts = at[keep], starts[keep]
+                at = at[(raw[starts[:, None] + np.arange(want.size)] == want).all(axis=1)]
             found.extend(at.tolist())
         return sorted(found)
 

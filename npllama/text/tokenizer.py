@@ -217,19 +217,23 @@ def _strings(meta: Mapping[str, Any], key: str) -> Sequence[str] | None:
     return list(value)
 
 
-def _numbers(meta: Mapping[str, Any], key: str, n_vocab: int, kind: type) -> list | None:
-    """A numeric metadata array of one entry per token (None when absent); GGUFError otherwise."""
+def _numbers(meta: Mapping[str, Any], key: str, n_vocab: int, kind: type) -> Sequence | None:
+    """A numeric metadata array of one entry per token (None when absent): a file's 1-D array of
+    the kind asked for as it is, else a list; GGUFError otherwise."""
     value = meta.get(key)
     if value is None:
         return None
+    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in ("f" if kind is float else "iu"):
+        if len(value) != n_vocab:
+            raise _bad(key, f"has {len(value)} entries for {n_vocab} tokens (tokenizer.ggml.tokens); "
+                            "there must be one per token")
+        return value  # a file's array: numbers of the kind asked for (262k of them as a list: ~5 ms)
     values = value.tolist() if isinstance(value, np.ndarray) else value
     if not isinstance(values, (list, tuple)):
         raise _bad(key, f"should be an array of numbers, not {type(value).__name__}")
     if len(values) != n_vocab:
         raise _bad(key, f"has {len(values)} entries for {n_vocab} tokens (tokenizer.ggml.tokens); "
                         "there must be one per token")
-    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in ("f" if kind is float else "iu"):
-        return values  # a file's array: its entries are Python numbers of the kind asked for
     for i, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else int):
             raise _bad(key, f"entry #{i} is {type(v).__name__} {v!r}, not {'a number' if kind is float else 'an integer'}")
@@ -331,8 +335,8 @@ class _Vocabulary:
     pre: str | None
     spec: _Pre | None  # byte-level BPE ("gpt2") only
     tokens: Sequence[str]  # the file's StringArray, or a list
-    types: list[int]
-    scores: list[float] | None
+    types: Sequence[int]  # the file's array, or a list
+    scores: Sequence[float] | None
     merges: Sequence[str] | None  # "left right", checked; None for SentencePiece: derived from the scores
     bos_id: int | None
     eos_id: int | None
@@ -397,7 +401,8 @@ def _read_vocabulary(meta: Mapping[str, Any], passed: bool = False) -> _Vocabula
     scores = _numbers(meta, "tokenizer.ggml.scores", n_vocab, float)
     if types is None:
         types = [TOKEN_NORMAL] * n_vocab
-    if not TOKEN_NORMAL <= min(types) <= max(types) <= TOKEN_BYTE:  # name the first one out of range
+    lo, hi = (types.min(), types.max()) if isinstance(types, np.ndarray) else (min(types), max(types))
+    if not TOKEN_NORMAL <= lo <= hi <= TOKEN_BYTE:  # name the first one out of range
         for i, t in enumerate(types):
             if not TOKEN_NORMAL <= t <= TOKEN_BYTE:
                 raise _bad("tokenizer.ggml.token_type", f"token #{i} {tokens[i]!r} has type {t}; "
@@ -464,7 +469,7 @@ class Tokenizer:
         # a file's StringArray is kept as it is (its bytes: ~3 MiB less than the strings for a
         # 49k-token vocabulary), its pieces decoded one by one as they are asked for
         self._tokens = tokens if isinstance(tokens, (list, StringArray)) else list(tokens)
-        self._types = list(token_types)
+        self._types = token_types.tolist() if isinstance(token_types, np.ndarray) else list(token_types)
         self._hf = hf
         self._hf_inner: _HFTokenizer | None = None  # without the space prefix: see encode_inner
         self._lock = threading.Lock()
@@ -507,7 +512,7 @@ class Tokenizer:
             hf = cls._build_spm(index, merges, unk, v.add_space_prefix)
         # Matched as a whole before BPE (on the raw text); control ones only with special=True.
         added = np.flatnonzero((types == TOKEN_CONTROL) | (types == TOKEN_USER_DEFINED)).tolist()
-        hf.add_tokens([AddedToken(tokens[i], special=(v.types[i] == TOKEN_CONTROL), normalized=False) for i in added])
+        hf.add_tokens([AddedToken(tokens[i], special=bool(types[i] == TOKEN_CONTROL), normalized=False) for i in added])
         return cls(model=v.model, pre=v.pre, tokens=v.tokens, token_types=v.types, hf=hf, bos_id=v.bos_id,
                    eos_id=v.eos_id, eot_ids=v.eot_ids, add_bos=v.add_bos, add_space_prefix=v.add_space_prefix,
                    chat_template=v.chat_template)
