@@ -469,21 +469,22 @@ class Tokenizer:
         # a file's StringArray is kept as it is (its bytes: ~3 MiB less than the strings for a
         # 49k-token vocabulary), its pieces decoded one by one as they are asked for
         self._tokens = tokens if isinstance(tokens, (list, StringArray)) else list(tokens)
-        self._types = token_types.tolist() if isinstance(token_types, np.ndarray) else list(token_types)
+        types = np.asarray(token_types)  # a file's array as it is
+        self._types = types.tolist()
         self._hf = hf
         self._hf_inner: _HFTokenizer | None = None  # without the space prefix: see encode_inner
         self._lock = threading.Lock()
-        self._control = frozenset(np.flatnonzero(np.asarray(self._types) == TOKEN_CONTROL).tolist())
+        self._control = frozenset(np.flatnonzero(types == TOKEN_CONTROL).tolist())
         self._bytes: list[bytes | None] = [None] * self.n_vocab  # each token's, made at first use (_token_bytes)
         # the most bytes of text one token can stand for (its piece, or its written form for a
         # control token matched in text): a text of n bytes is at least n / this many tokens. No
         # token's bytes are longer than its piece's UTF-8 (_piece_bytes maps a byte-level character
         # to one byte, '▁' (3 bytes) to a space, '<0xNN>' to one byte), so that is the bound.
         if isinstance(tokens, StringArray):
-            lengths = tokens.byte_lengths()
+            longest = int(tokens.byte_lengths().max())  # the vocabulary is not empty (check_metadata)
         else:
-            lengths = map(len, map(str.encode, self._tokens, repeat("utf-8"), repeat("surrogatepass")))
-        self.longest_token_bytes = max(1, max(lengths))
+            longest = max(map(len, map(str.encode, self._tokens, repeat("utf-8"), repeat("surrogatepass"))))
+        self.longest_token_bytes = max(1, longest)
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> "Tokenizer":
