@@ -4,8 +4,9 @@ file's architecture module (npllama.arch) reads from it.
 
 The file is parsed here rather than by `gguf.GGUFReader`, with the format's numbers written
 out (`VT` here, the tensor types in `kernels.qtypes`; tests compare them with gguf's), as
-importing gguf takes ~0.02 s of a short `npllama run`. GGUFReader builds one numpy view per string, which makes opening a model with a 49k-token
-vocabulary take seconds, and on a corrupted length or count it loops or allocates without bound.
+importing gguf takes ~0.02 s of a short `npllama run`. GGUFReader builds one numpy view per
+string, which makes opening a model with a 49k-token vocabulary take seconds, and on a
+corrupted length or count it loops or allocates without bound.
 This parser reads GGUF versions 2 and 3 (little-endian), checks every length and count against
 the bytes that remain before using it, and turns every problem into a `GGUFError` that names the
 file, so nothing malformed ever reaches a kernel. (The lengths of an array of strings are read by

@@ -16,9 +16,9 @@ __all__ = ["piece_splits"]
 
 def piece_splits(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every split of a piece into two pieces, as int64 arrays (whole, left, right) of piece
-    ids: piece i is the UTF-8 bytes data[starts[i]:ends[i]] (1-D uint8 data; the pieces
-    distinct), and left + right = whole. In the order of the pieces, then of the split's place.
-    Where two pieces are the same bytes, a half that is those bytes is the first of them."""
+    ids: piece i is the UTF-8 bytes data[starts[i]:ends[i]] (1-D uint8 data), and left + right
+    = whole. In the order of the pieces, then of the split's place. Where two pieces are the
+    same bytes (a checked vocabulary's are not), a half that is those bytes is the first."""
     if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 1):
         raise ValueError(f"data must be a 1-D uint8 array, got {getattr(data, 'dtype', type(data))} "
                          f"{getattr(data, 'shape', '')}")
