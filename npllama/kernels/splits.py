@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .strings import check_bytes
+
 __all__ = ["piece_splits"]
 
 
@@ -19,9 +21,7 @@ def piece_splits(data: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> tupl
     ids: piece i is the UTF-8 bytes data[starts[i]:ends[i]] (1-D uint8 data), and left + right
     = whole. In the order of the pieces, then of the split's place. Where two pieces are the
     same bytes (a checked vocabulary's are not), a half that is those bytes is the first."""
-    if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 1):
-        raise ValueError(f"data must be a 1-D uint8 array, got {getattr(data, 'dtype', type(data))} "
-                         f"{getattr(data, 'shape', '')}")
+    check_bytes("data", data)
     starts, ends = np.asarray(starts), np.asarray(ends)
     if starts.shape != ends.shape or starts.ndim != 1 or starts.dtype.kind not in "iu" or ends.dtype.kind not in "iu":
         raise ValueError(f"starts and ends must be 1-D integer arrays of one length, got {starts.shape} "

@@ -14,15 +14,21 @@ from numba import njit
 __all__ = ["first_bad_string", "string_edges"]
 
 
+def check_bytes(name: str, a) -> None:
+    """ValueError unless `a` (the argument `name`) is a 1-D uint8 array: the bytes these kernels
+    (and kernels.splits) read."""
+    if not (isinstance(a, np.ndarray) and a.dtype == np.uint8 and a.ndim == 1):
+        raise ValueError(f"{name} must be a 1-D uint8 array, got {getattr(a, 'dtype', type(a))} "
+                         f"{getattr(a, 'shape', '')}")
+
+
 def string_edges(buf: np.ndarray, start: int, count: int) -> tuple[np.ndarray, int]:
     """(edges, n) of `count` strings, each after its u64 length, from byte `start` of `buf`
     (1-D uint8): string i's length is at edges[i] and the string ends at edges[i + 1], both
     from `start`. n is how many lie inside `buf`: count, or the first that runs past its end
     (its length, or its bytes), where the edges stop (the rest 0). Every length is checked
     against the bytes that remain before it is used."""
-    if not (isinstance(buf, np.ndarray) and buf.dtype == np.uint8 and buf.ndim == 1):
-        raise ValueError(f"buf must be a 1-D uint8 array, got {getattr(buf, 'dtype', type(buf))} "
-                         f"{getattr(buf, 'shape', '')}")
+    check_bytes("buf", buf)
     if not (0 <= start <= buf.size and count >= 0):
         raise ValueError(f"start {start} and count {count} must lie in the buffer of {buf.size} bytes")
     return _string_edges(np.ascontiguousarray(buf), start, count)
@@ -49,9 +55,7 @@ def _string_edges(buf, start, count):
 def first_bad_string(buf: np.ndarray, start: int, edges: np.ndarray) -> int:
     """The index of the first of the strings `string_edges` found (at `edges` from byte `start`
     of `buf`) that is not valid UTF-8, else -1."""
-    if not (isinstance(buf, np.ndarray) and buf.dtype == np.uint8 and buf.ndim == 1):
-        raise ValueError(f"buf must be a 1-D uint8 array, got {getattr(buf, 'dtype', type(buf))} "
-                         f"{getattr(buf, 'shape', '')}")
+    check_bytes("buf", buf)
     edges = np.ascontiguousarray(edges, np.int64)
     if edges.ndim != 1 or edges.size < 1 or (edges.size > 1 and (
             edges[0] != 0 or (np.diff(edges) < 8).any() or start < 0 or start + edges[-1] > buf.size)):

@@ -223,17 +223,16 @@ def _numbers(meta: Mapping[str, Any], key: str, n_vocab: int, kind: type) -> Seq
     value = meta.get(key)
     if value is None:
         return None
-    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in ("f" if kind is float else "iu"):
-        if len(value) != n_vocab:
-            raise _bad(key, f"has {len(value)} entries for {n_vocab} tokens (tokenizer.ggml.tokens); "
-                            "there must be one per token")
-        return value  # a file's array: numbers of the kind asked for (262k of them as a list: ~5 ms)
-    values = value.tolist() if isinstance(value, np.ndarray) else value
-    if not isinstance(values, (list, tuple)):
+    # a file's array of numbers of the kind asked for is kept as it is (262k of them as a list: ~5 ms)
+    own = isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in ("f" if kind is float else "iu")
+    values = value.tolist() if isinstance(value, np.ndarray) and not own else value
+    if not isinstance(values, (list, tuple, np.ndarray)):
         raise _bad(key, f"should be an array of numbers, not {type(value).__name__}")
     if len(values) != n_vocab:
         raise _bad(key, f"has {len(values)} entries for {n_vocab} tokens (tokenizer.ggml.tokens); "
                         "there must be one per token")
+    if own:
+        return value
     for i, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else int):
             raise _bad(key, f"entry #{i} is {type(v).__name__} {v!r}, not {'a number' if kind is float else 'an integer'}")
