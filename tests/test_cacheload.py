@@ -1,7 +1,10 @@
 """npllama's kernels load from Numba's cache with their bitcode unparsed until a compile links
 them, without Numba's registries, and without importing the modules of the Numba functions they
-inline (kernels/cacheload.py); other functions keep Numba's own loading."""
+inline (kernels/cacheload.py); other functions keep Numba's own loading. Numba's runtime module
+is loaded from what an earlier process saved."""
+import hashlib
 import json
+import marshal
 import os
 import subprocess
 import sys
@@ -134,3 +137,66 @@ def test_installed_for_npllama_and_kept_out_where_numba_lacks_an_attribute(monke
     assert not cacheload.install()
     assert caching.FunctionCache._impl_class is caching.CompileResultCacheImpl
     assert caching.FunctionCache.load_overload is cacheload._numba_load_overload
+
+
+# Numba's runtime module: compiled and saved by a process whose first function is an npllama
+# kernel (looked for in the cache, then compiled), then loaded from what was saved. Prints, as
+# JSON, which of the two this process did.
+RUNTIME_SCRIPT = textwrap.dedent('''
+    import json
+    import numpy as np
+    from numba import njit
+    from numba.core.runtime import rtsys
+    from npllama.kernels import aligned, cacheload
+
+    buf = aligned._empty((3, 5), np.float32)  # loaded or compiled; it allocates through the runtime
+    loaded = isinstance(rtsys._library, cacheload._LazyBitcode)
+
+    @njit
+    def total(n):  # compiled here: links the runtime's module in
+        return np.ones(n).sum()
+
+    print(json.dumps({"loaded": loaded, "shape": list(buf.shape), "total": total(5)}))
+''')
+
+
+def test_the_runtime_module_is_saved_then_loaded_and_a_bad_file_replaced(tmp_path):
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+
+    def run():
+        out = subprocess.run([sys.executable, "-c", RUNTIME_SCRIPT], env=env, capture_output=True, text=True,
+                             check=True).stdout.splitlines()[-1]
+        saved = sorted((tmp_path / "cache").rglob("nrt-*.bin"))
+        return json.loads(out), saved
+
+    first, saved = run()  # the kernel compiled; the runtime compiled and saved before it
+    second, again = run()  # the kernel and the runtime loaded
+    assert len(saved) == 1 and again == saved
+    assert not first["loaded"] and second["loaded"]
+    for out in (first, second):
+        assert out["shape"] == [3, 5] and out["total"] == 5.0
+    (path,) = saved
+    good = path.read_bytes()
+    path.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))  # one bit off: compiled anew and replaced
+    third, _ = run()
+    assert not third["loaded"] and cacheload._read_runtime(str(path)) is not None
+    fourth, _ = run()
+    assert fourth["loaded"] and fourth["total"] == 5.0
+
+
+def test_a_saved_runtime_is_read_back_only_whole(tmp_path):
+    path = str(tmp_path / "nrt-x.bin")
+    saved = ("nrt", b"\x7fELF machine code", b"BC bitcode", ["NRT_incref", "NRT_decref"])
+    assert cacheload._read_runtime(path) is None  # no file
+    cacheload._write_runtime(path, saved)
+    assert cacheload._read_runtime(path) == saved
+    data = open(path, "rb").read()
+    n = len(cacheload._RUNTIME_MAGIC)
+    for bad in (data[:-3], b"x" + data[1:], data[:n] + bytes(32) + data[n + 32:], b""):
+        open(path, "wb").write(bad)
+        assert cacheload._read_runtime(path) is None
+    payload = marshal.dumps(("nrt", b"code", "not bytes", []))  # whole, but not what is saved
+    open(path, "wb").write(cacheload._RUNTIME_MAGIC + hashlib.sha256(payload).digest() + payload)
+    assert cacheload._read_runtime(path) is None
+    cacheload._write_runtime(str(tmp_path / "no such dir" / "nrt-x.bin"), saved)  # not writable: left as it is
+    assert not (tmp_path / "no such dir").exists()
