@@ -1,10 +1,14 @@
 """The forward pass against a naive NumPy reference, on tiny random models of each variant."""
+import mmap
+import os
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
 import npllama
 import naive
+from test_gguf_file import _resident_kib
 from tinygguf import write_tiny_llama
 
 IDS = [0, 7, 100, 3, 260, 44, 45, 46, 9, 1, 2]
@@ -402,3 +406,16 @@ def test_a_prompt_loads_the_decode_step_before_it_fills_the_cache(tmp_path, monk
     monkeypatch.setattr(decode._decode_step, "_compile_for_args", compile_for_args)
     want = npllama.Model(path, activations=activations).session().feed(IDS + [5], all_logits=True)[-1]
     np.testing.assert_allclose(s.feed([5]), want, rtol=0, atol=5e-2 if activations == "int8" else 1e-4)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads /proc/self/smaps (Linux)")
+def test_a_loaded_model_holds_no_pages_of_the_files_tensor_data(tmp_path):
+    """The norms are copied at load, and the file's pages that held them (with the neighbours
+    that reading them mapped) leave the resident set: only the header and metadata stay."""
+    path = write_tiny_llama(tmp_path / "m.gguf", qtype=QT.F32, n_layer=4, n_embd=512, n_ff=1024)
+    m = npllama.Model(path)
+    header_kib = -(-m.file.data_offset // mmap.PAGESIZE) * mmap.PAGESIZE // 1024
+    assert _resident_kib(path) <= header_kib
+    assert m.file.buffer.size - m.file.data_offset > 64 * header_kib * 1024  # most of the file: data
+    np.testing.assert_array_equal(m.layers[3].ffn_norm, m.file.tensor("blk.3.ffn_norm.weight").data)
+    check(path)  # and it runs, the weights' rows paged in again

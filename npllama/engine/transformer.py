@@ -86,6 +86,11 @@ class Transformer:
         self.output = self.token_embd if cfg.tied_output else QWeight.from_tensor(t("output.weight"))
         names = {n for r in cfg.ropes for n in (r.factors, r.long_factors) if n}
         self.ropes = Ropes(cfg, {n: f32(t(n)) for n in names})
+        # the small tensors (norms, biases, RoPE factors) are copies now: the file's pages that
+        # held them leave the resident set, with the neighbours that reading them mapped in
+        # (Linux maps up to 64 KiB around a fault: ~4 MiB over a model's norms). The weights'
+        # rows are read from their panels, or paged in again from the page cache.
+        self.file.release(self.file.buffer[self.file.data_offset:])
         self._vocabulary = None  # checked now, so a broken vocabulary fails here, not at tokenize()
         if "tokenizer.ggml.tokens" in self.file.metadata:
             from ..text.tokenizer import CHECK_VERSION, check_metadata

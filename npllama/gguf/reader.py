@@ -248,13 +248,16 @@ class GGUFFile:
         """Let this process's resident memory drop the pages that hold `data`, a view of the
         buffer (the whole pages inside it): they stay in the OS's page cache and are read
         again from there if `data` is. For tensors that are read from another copy (the int8
-        mode's weight panels); a no-op where the OS has no madvise."""
+        mode's weight panels); a no-op where the OS has no madvise. A view that reaches the end
+        of the file has its last page whole (the file's tail shares it with nothing)."""
         lo = data.__array_interface__["data"][0] - self.buffer.__array_interface__["data"][0]
-        if not 0 <= lo <= lo + data.nbytes <= self.buffer.nbytes:
+        hi = lo + data.nbytes
+        if not 0 <= lo <= hi <= self.buffer.nbytes:
             raise ValueError("release() takes a view of the file's buffer")
         if not hasattr(self._mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
             return
-        start, end = -(-lo // mmap.PAGESIZE) * mmap.PAGESIZE, (lo + data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        start = -(-lo // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = hi if hi == self.buffer.nbytes else hi // mmap.PAGESIZE * mmap.PAGESIZE
         if end > start:
             self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
