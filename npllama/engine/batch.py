@@ -110,11 +110,12 @@ def _forward_cpu(model, pool, ids, positions, slots, seq_of_token, tables, want,
     """The packed pass on the CPU: the logits (len(want), n_vocab) of the tokens `want`."""
     cfg = model.config
     T = len(ids)
-    scale = np.float32(cfg.attn_scale)
-    kv_bufs = [bits(b) for b in pool.buffers()]
     threads = check_threads(threads) or model.threads
     rows_kernels = USE_ROW_KERNELS and fits_rows(cfg)
     compiled = COMPILED_LAYERS and rows_kernels and packed.fits(model)
+    if not compiled:  # the Python layer loop's attention reads each layer's buffer
+        scale = np.float32(cfg.attn_scale)
+        kv_bufs = [bits(b) for b in pool.buffers()]
     chunk = CHUNK_TOKENS if rows_kernels else _BLAS_CHUNK
     end = int(positions.max()) + 1
     hidden = np.empty((len(want), cfg.n_embd), np.float32)
