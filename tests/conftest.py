@@ -1,4 +1,7 @@
+import json
 import os
+import subprocess
+import sys
 
 import numba
 import pytest
@@ -60,6 +63,17 @@ def gemma3_path():
         return known_model_path("gemma3-270m")
     except (ModelFetchError, FileNotFoundError) as e:
         unavailable(f"Gemma 3 270M unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def reply_modules(default_model_path):
+    """The names of the modules a fresh process has imported once it has loaded the default
+    model and generated two tokens (for the tests of what a reply does not import)."""
+    code = ("import json, sys, npllama; m = npllama.load(sys.argv[1]); m.complete('Hi', max_tokens=2, temperature=0); "
+            "print(json.dumps(sorted(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code, str(default_model_path)], capture_output=True, text=True,
+                         env=os.environ, timeout=240, check=True).stdout
+    return frozenset(json.loads(out.splitlines()[-1]))
 
 
 @pytest.fixture(scope="session")

@@ -198,14 +198,14 @@ def _register_runtime_helpers() -> None:
         ll.add_symbol(py_name if py_name.startswith("_") else "NRT_" + py_name, address)
 
 
-def _runtime_path(codegen) -> str | None:
+def _runtime_path(codegen_) -> str | None:
     """Where this process's runtime module is saved: a file in the cache directory that Numba's
     locators give this module's file, named by what its machine code depends on; None where no
     locator gives one."""
     for locator_class in _numba("CacheImpl")._locator_classes:
         locator = locator_class.from_function(initialize_runtime, __file__)
         if locator is not None:
-            key = repr((numba.__version__, llvmlite.__version__, codegen.magic_tuple())).encode()
+            key = repr((numba.__version__, llvmlite.__version__, codegen_.magic_tuple())).encode()
             return os.path.join(locator.get_cache_path(), f"nrt-{hashlib.sha256(key).hexdigest()[:16]}.bin")
     return None
 
