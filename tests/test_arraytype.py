@@ -39,7 +39,8 @@ def test_other_arrays_go_to_numbas_own():
     with pytest.raises(errors.NumbaTypeError, match="MaskedArray"):
         numba.typeof(masked)
     c = _TypeofContext(Purpose.argument)
-    for sub in (np.zeros(3, [("a", np.float32)]).view(np.recarray), np.arange(6.0).view(type("Sub", (np.ndarray,), {}))):
+    subclass = type("Sub", (np.ndarray,), {})
+    for sub in (np.zeros(3, [("a", np.float32)]).view(np.recarray), np.arange(6.0).view(subclass)):
         assert arraytype._typeof_ndarray(sub, c) == arraytype._numba_typeof_ndarray(sub, c)
     for dtype in ("V3", ">f4", ">i8"):  # dtypes Numba does not take: its own error
         unsupported = np.zeros(2, dtype)

@@ -28,9 +28,9 @@ every fresh process, where loading the same machine code takes 0.002. `initializ
 does what it does, with the compiled module saved beside npllama's kernels (in the directory
 Numba's locators give this file) and loaded from there by later processes as the kernels are.
 The file is named by what the machine code depends on (Numba's and llvmlite's versions, the
-CPU and its features as Numba's codegen names them) and carries a sha256 of its contents: a
-file that does not match is compiled anew and replaced, and a directory that cannot be written
-leaves the compile as it is. The runtime's C helpers are registered with LLVM before the module
+CPU and its features as Numba's codegen names them) and by Python's version (whose `marshal`
+writes it), and carries a sha256 of its contents: a file that does not match is compiled anew
+and replaced, and a directory that cannot be written leaves the compile as it is. The runtime's C helpers are registered with LLVM before the module
 is compiled or loaded, as Numba registers them: the module calls them. With Numba's NRT
 debugging on (NUMBA_DEBUG_NRT), whose module differs, Numba builds it itself.
 
@@ -200,13 +200,13 @@ def _register_runtime_helpers() -> None:
 
 def _runtime_path(codegen_) -> str | None:
     """Where this process's runtime module is saved: a file in the cache directory that Numba's
-    locators give this module's file, named by what its machine code depends on; None where no
-    locator gives one."""
+    locators give this module's file, named by what its contents depend on (the module's
+    docstring); None where no locator gives one."""
     for locator_class in _numba("CacheImpl")._locator_classes:
         locator = locator_class.from_function(initialize_runtime, __file__)
         if locator is not None:
-            key = repr((numba.__version__, llvmlite.__version__, codegen_.magic_tuple())).encode()
-            return os.path.join(locator.get_cache_path(), f"nrt-{hashlib.sha256(key).hexdigest()[:16]}.bin")
+            key = repr((sys.version_info[:2], numba.__version__, llvmlite.__version__, codegen_.magic_tuple()))
+            return os.path.join(locator.get_cache_path(), f"nrt-{hashlib.sha256(key.encode()).hexdigest()[:16]}.bin")
     return None
 
 
