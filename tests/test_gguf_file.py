@@ -161,6 +161,17 @@ def test_indexes_of(texts):
     assert StringArray.from_strings([]).indexes_of(texts) == []
 
 
+@pytest.mark.parametrize("strings", [["Ġ t", "a b", "héllo wörld", "x ", "ĠĠ ĠĠ"], [], ["a b"],
+                                     ["a b", "c"], ["a b", "c d e"], ["a b", " c"], [" a", "b c"], ["a b", "c\0 d"],
+                                     ["a b", "", "c d"], ["ab", "c  "]])
+def test_halves(strings):
+    """Each string split at its one space, all at once, as str.split(" ", 1) splits it; None
+    where a string has no space, two, a leading one, or a NUL."""
+    one_each = all(s.count(" ") == 1 and not s.startswith(" ") and "\0" not in s for s in strings)
+    want = [tuple(s.split(" ", 1)) for s in strings] if one_each else None
+    assert StringArray.from_strings(strings).halves(" ") == want
+
+
 def _strings_reference(buf: bytes, start: int, count: int) -> tuple[list[int], int]:
     """`string_edges` in plain Python: the strings' ends from `start`, and how many fit."""
     edges, pos = [0], start

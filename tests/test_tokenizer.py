@@ -242,6 +242,24 @@ def test_inconsistent_vocabulary_is_refused_when_built(overrides, message):
         check_metadata(meta)
 
 
+@pytest.mark.parametrize("merges", [tiny_vocab()[2], ["Ġ t", "he"], [" t"], ["Ġ t", "q z"], ["Ġ t t"], ["Ġ t", "a\0b c"],
+                                    []])
+def test_merges_from_a_file_split_as_a_list_splits(merges):
+    """A file's merges (a StringArray: byte-level ones split all at once) give the pairs, or
+    the error, that the same merges as a list give."""
+    from npllama.gguf.reader import StringArray
+    from npllama.text.tokenizer import _merge_pairs
+    vocab = {t: i for i, t in enumerate(tiny_vocab()[0])}
+    try:
+        want = _merge_pairs(merges, vocab)
+    except GGUFError as e:
+        with pytest.raises(GGUFError, match=re.escape(str(e))):
+            _merge_pairs(StringArray.from_strings(merges), vocab)
+    else:
+        assert _merge_pairs(StringArray.from_strings(merges), vocab) == want
+    assert _merge_pairs(StringArray.from_strings(merges)) == _merge_pairs(merges)
+
+
 def test_check_metadata_passes_valid_vocabularies():
     check_metadata(gpt2_meta())
     check_metadata(spm_meta())

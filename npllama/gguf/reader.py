@@ -135,6 +135,23 @@ class StringArray(Sequence[str]):
             return out
         return [self[i] for i in range(len(self))]
 
+    def halves(self, sep: str) -> list[tuple[str, str]] | None:
+        """Each string split at its one `sep` (an ASCII character), all at once: (before, after)
+        for every string, as `str.split(sep, 1)` gives them; None where a string holds `sep`
+        other than once or as its first character, or holds a NUL (split those one at a time)."""
+        if not len(self):
+            return []
+        joined = self._joined()
+        b = np.frombuffer(joined, np.uint8)
+        nul = b == 0
+        at = np.flatnonzero(b == ord(sep))
+        if (len(at) != len(self) or np.count_nonzero(nul) != len(self) - 1 or at[0] == 0 or nul[at - 1].any()
+                or not np.array_equal(np.cumsum(nul)[at], np.arange(len(self)))):
+            return None
+        # an ASCII byte is never part of a multi-byte character: the separators become NULs
+        parts = iter(joined.replace(sep.encode("ascii"), b"\0").decode("utf-8").split("\0"))
+        return list(zip(parts, parts))
+
     def _joined(self) -> bytes:
         """The strings' bytes, NUL between each two: the file's bytes with each string's 8-byte
         length cut to its first byte, set to NUL, and the first one dropped. (Valid UTF-8

@@ -256,11 +256,14 @@ def _merge_pairs(merges: Sequence[str], vocab: Mapping[str, int] | None = None) 
 
     A merge is ``"left right"``, split at its first space after the first character (as llama.cpp
     does); both halves and their concatenation must be tokens."""
-    merges = list(merges)  # a file's StringArray decodes on each read
-    if any(map(str.startswith, merges, repeat(" "))):  # rare: split past a leading space
-        pairs = [(m[:c], m[c + 1:]) if c > 0 else (m,) for m in merges for c in (m.find(" ", 1),)]
-    else:
-        pairs = list(map(tuple, map(str.split, merges, repeat(" "), repeat(1))))
+    # a file's byte-level merges (one space each) split all at once, else one at a time
+    pairs = merges.halves(" ") if isinstance(merges, StringArray) else None
+    if pairs is None:
+        merges = list(merges)  # a file's StringArray decodes on each read
+        if any(map(str.startswith, merges, repeat(" "))):  # rare: split past a leading space
+            pairs = [(m[:c], m[c + 1:]) if c > 0 else (m,) for m in merges for c in (m.find(" ", 1),)]
+        else:
+            pairs = list(map(tuple, map(str.split, merges, repeat(" "), repeat(1))))
     if vocab is None:
         return pairs
     ok = min(map(len, pairs), default=2) == 2  # every merge has its space
