@@ -2,9 +2,11 @@
 leave a caller's stale machine code in use."""
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
+from numba.core import caching
 from numba.core.caching import FunctionCache
 
 from npllama.kernels import cachestamp, cpu, quants
@@ -71,3 +73,26 @@ def test_install_is_idempotent():
     assert classes[:3] == cachestamp.LOCATORS
     assert sum(isinstance(c, type) and issubclass(c, cachestamp._PackageStamp) for c in classes) == 3
     assert pathlib.Path(cachestamp.__file__).resolve().is_relative_to(cachestamp.ROOT)
+
+
+def test_a_cache_directory_is_probed_once_and_made_again_when_removed(tmp_path, monkeypatch):
+    """Numba writes a temporary file into a kernel's cache directory to see that it can, for
+    every kernel; npllama's locators do it once a directory, and still make the directory
+    again where it was removed since (Numba asks before each save)."""
+    probes = []
+    real = caching.tempfile.TemporaryFile
+    monkeypatch.setattr(caching.tempfile, "TemporaryFile", lambda **kw: probes.append(kw["dir"]) or real(**kw))
+    where = tmp_path / "cache"
+
+    class Here(cachestamp.LOCATORS[1]):  # the in-tree locator, its directory moved to tmp_path
+        def get_cache_path(self):
+            return str(where)
+
+    first, second = (Here(f.py_func, quants.__file__) for f in (quants._block_sums, decode._decode_step))
+    first.ensure_cache_path()
+    second.ensure_cache_path()
+    first.ensure_cache_path()
+    assert probes == [str(where)] and where.is_dir()
+    shutil.rmtree(where)
+    second.ensure_cache_path()
+    assert where.is_dir() and probes == [str(where)]
