@@ -61,7 +61,8 @@ def test_installed_only_over_the_numba_function_it_repeats(monkeypatch):
     monkeypatch.setattr(arraytype, "_numba_typeof_ndarray", lambda val, c: changed(val, c))
     typeof_impl.register(np.ndarray, arraytype._numba_typeof_ndarray)
     try:
-        assert not arraytype.install()  # a Numba whose function reads other names keeps it
+        with pytest.warns(RuntimeWarning, match="Numba's own typing"):
+            assert not arraytype.install()  # a Numba whose function reads other names keeps it
         assert typeof_impl.dispatch(np.ndarray) is arraytype._numba_typeof_ndarray
     finally:
         typeof_impl.register(np.ndarray, arraytype._typeof_ndarray)

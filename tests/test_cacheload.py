@@ -6,6 +6,7 @@ import hashlib
 import json
 import marshal
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -134,7 +135,8 @@ def test_installed_for_npllama_and_kept_out_where_numba_lacks_an_attribute(monke
     monkeypatch.setattr(caching.FunctionCache, "_impl_class", caching.CompileResultCacheImpl)
     monkeypatch.setattr(caching.FunctionCache, "load_overload", cacheload._numba_load_overload)
     monkeypatch.setattr(cacheload, "_LIBRARY_ATTRIBUTES", cacheload._LIBRARY_ATTRIBUTES + ("no_such_attribute",))
-    assert not cacheload.install()
+    with pytest.warns(RuntimeWarning, match="as Numba loads them"):
+        assert not cacheload.install()
     assert caching.FunctionCache._impl_class is caching.CompileResultCacheImpl
     assert caching.FunctionCache.load_overload is cacheload._numba_load_overload
 
@@ -200,3 +202,103 @@ def test_a_saved_runtime_is_read_back_only_whole(tmp_path):
     assert cacheload._read_runtime(path) is None
     cacheload._write_runtime(str(tmp_path / "no such dir" / "nrt-x.bin"), saved)  # not writable: left as it is
     assert not (tmp_path / "no such dir").exists()
+
+
+# One kernel through the cache at $NPLLAMA_KERNEL_CACHE: prints whether it was loaded from
+# the cache, its result, and the warnings about the cache.
+KERNEL_SCRIPT = textwrap.dedent('''
+    import json, logging, sys, warnings
+    import numpy as np
+    logging.basicConfig(stream=sys.stderr)
+    warnings.simplefilter("always")
+    with warnings.catch_warnings(record=True) as caught:
+        from npllama.kernels import nn
+        x = np.linspace(-2, 3, 37).astype(np.float32)
+        w = np.linspace(0.5, 1.5, 37).astype(np.float32)
+        out = np.empty_like(x)
+        nn._rmsnorm_row(x, w, np.float32(1e-5), out)
+    print(json.dumps({"hits": sum(nn._rmsnorm_row.stats.cache_hits.values()), "out": out.tolist(),
+                      "warnings": [str(c.message) for c in caught]}))
+''')
+
+WANT = _rmsnorm(np.linspace(-2, 3, 37).astype(np.float32), np.linspace(0.5, 1.5, 37).astype(np.float32),
+                np.float32(1e-5))
+
+
+def _kernel_run(cache, prelude="", **env):
+    r = subprocess.run([sys.executable, "-c", prelude + KERNEL_SCRIPT],
+                       env={**os.environ, "NPLLAMA_KERNEL_CACHE": str(cache), **env}, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    seen = json.loads(r.stdout.splitlines()[-1])
+    np.testing.assert_allclose(seen["out"], WANT, rtol=2e-6)
+    return seen, r.stderr
+
+
+def _entry_files(cache, suffix):
+    return sorted(p for p in cache.rglob(f"nn._rmsnorm_row-*{suffix}"))
+
+
+def test_a_damaged_entry_is_compiled_anew_and_replaced(tmp_path):
+    cache = tmp_path / "cache"
+    assert _kernel_run(cache)[0]["hits"] == 0
+    assert _kernel_run(cache)[0]["hits"] == 1
+    (data,) = _entry_files(cache, ".nbc")
+    (index,) = _entry_files(cache, ".nbi")
+    good = data.read_bytes()
+
+    def damaged(path, content):  # compiled anew (said on stderr), then loaded from the replaced entry
+        path.write_bytes(content)
+        seen, err = _kernel_run(cache)
+        assert seen["hits"] == 0 and "compiling it anew" in err
+        assert _kernel_run(cache)[0]["hits"] == 1
+
+    damaged(data, good[:len(good) // 2])  # truncated
+    damaged(data, b"")
+    # the machine code changed where pickle cannot see it: a byte flipped inside the object code
+    # (found by its ELF header), caught by the entry's checksum
+    at = data.read_bytes().index(b"\x7fELF") + 200
+    content = data.read_bytes()
+    damaged(data, content[:at] + bytes([content[at] ^ 0x40]) + content[at + 1:])
+    damaged(index, index.read_bytes()[:-7])  # a truncated index: written anew
+
+
+def test_two_processes_compiling_at_once_both_answer_and_leave_a_valid_cache(tmp_path):
+    cache = tmp_path / "cache"
+    env = {**os.environ, "NPLLAMA_KERNEL_CACHE": str(cache)}
+    procs = [subprocess.Popen([sys.executable, "-c", KERNEL_SCRIPT], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-3000:]
+        seen = json.loads(out.splitlines()[-1])
+        assert seen["hits"] == 0 and not seen["warnings"]
+        np.testing.assert_allclose(seen["out"], WANT, rtol=2e-6)
+    assert _kernel_run(cache)[0]["hits"] == 1  # what either saved loads
+
+
+FULL_DISK = textwrap.dedent('''
+    import errno
+    from numba.core import caching
+    def full(self, name, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    caching.IndexDataCacheFile._save_data = full
+''')
+
+
+def test_a_full_disk_leaves_the_kernel_compiled_in_memory_with_one_warning(tmp_path):
+    seen, _ = _kernel_run(tmp_path / "cache", prelude=FULL_DISK)
+    assert seen["hits"] == 0
+    assert len(seen["warnings"]) == 1 and "No space left" in seen["warnings"][0]
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="an x86-64 target name")
+def test_machine_code_for_another_cpu_is_never_loaded(tmp_path):
+    """Compiled for this CPU (AVX2 or AVX-512 on the machines that run the tests), then asked
+    for by a process compiling for a poorer target (x86-64-v2: SSE4.2) on the same cache:
+    compiled anew for it, and each target then loads its own."""
+    cache = tmp_path / "cache"
+    poor = {"NUMBA_CPU_NAME": "x86-64-v2", "NUMBA_CPU_FEATURES": ""}
+    assert _kernel_run(cache)[0]["hits"] == 0
+    assert _kernel_run(cache, **poor)[0]["hits"] == 0
+    assert _kernel_run(cache, **poor)[0]["hits"] == 1
+    assert _kernel_run(cache)[0]["hits"] == 1

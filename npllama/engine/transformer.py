@@ -253,7 +253,7 @@ class Transformer:
         shapes = {n: panel_shape(w.qtype, w.rows, w.cols) for n, w in ws.items()}
         layout = [[n, int(w.qtype), w.rows, w.cols] for n, w in ws.items()]
         nbytes = sum(p * b for p, b in shapes.values())
-        saved = panelfile.load(self.file, layout, cachestamp.stamp(), nbytes)
+        saved = panelfile.load(self.file, layout, cachestamp.module_stamp("kernels.panels"), nbytes)
         arena = aligned.zeros(nbytes, np.uint8) if saved is None else saved  # the panels on cache lines
         views, at = {}, 0
         for n, (p, b) in shapes.items():
@@ -268,7 +268,7 @@ class Transformer:
                 pack_panels(part, w.qtype, out=views[n][r // PANEL:-(-(r + len(part)) // PANEL)])
                 self.file.release(part)
             self.file.release(w.data)  # the pages two parts share
-        panelfile.save(self.file, layout, cachestamp.stamp(), arena)
+        panelfile.save(self.file, layout, cachestamp.module_stamp("kernels.panels"), arena)
         return arena, views
 
     def _run(self, ids: np.ndarray, cache: KVCache, all_logits: bool, output: str, threads: int) -> np.ndarray:

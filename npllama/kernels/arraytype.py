@@ -14,6 +14,8 @@ own. Tests compare the two on arrays of many dtypes, layouts and numbers of dime
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 from numba.core import errors, types
 from numba.core.typing.typeof import typeof_impl
@@ -45,11 +47,13 @@ def matches(numba_function) -> bool:
 
 
 def install() -> bool:
-    """Type plain arrays without `numpy.ma` from now on (once); False where this Numba's typing
-    of arrays is not the one `_typeof_ndarray` repeats (Numba's then stays)."""
+    """Type plain arrays without `numpy.ma` from now on (once); False, with one warning, where
+    this Numba's typing of arrays is not the one `_typeof_ndarray` repeats (Numba's then stays)."""
     if typeof_impl.dispatch(np.ndarray) is _typeof_ndarray:
         return True
     if not matches(_numba_typeof_ndarray):
+        warnings.warn("npllama: this Numba types arrays otherwise than npllama's shortcut was written for; "
+                      "Numba's own typing is used", RuntimeWarning, stacklevel=2)
         return False
     typeof_impl.register(np.ndarray, _typeof_ndarray)
     return True

@@ -51,10 +51,12 @@ so an entry is always read in the form it was written.
 from __future__ import annotations
 
 import hashlib
+import logging
 import marshal
 import os
 import sys
 import tempfile
+import warnings
 
 import llvmlite
 import llvmlite.binding as ll
@@ -63,7 +65,9 @@ from numba.core import caching, codegen, config, environment
 from numba.core.compiler_lock import global_compiler_lock
 from numba.core.runtime import _nrt_python, nrtdynmod, rtsys
 
-from .cachestamp import _numba, _PackageStamp
+from .cachestamp import _KernelCache, _numba
+
+_log = logging.getLogger("npllama")
 
 _LIBRARY_ATTRIBUTES = ("enable_object_caching", "_set_compiled_object", "_finalize_final_module",
                        "_get_module_for_linking")
@@ -156,19 +160,22 @@ class _LazyLoad(caching.CompileResultCacheImpl):
     parsing their bitcode (see the module's docstring)."""
 
     def _ours(self) -> bool:
-        return isinstance(self._locator, _PackageStamp)
+        return isinstance(self._locator, _KernelCache)
 
     def reduce(self, cres):
         payload = super().reduce(cres)
         if not self._ours():
             return payload
-        return defined_names(cres.library), _environments_rebuilt_here(payload)
+        name, kind, data = payload[0]
+        return defined_names(cres.library), _digest(kind, data), _environments_rebuilt_here(payload)
 
     def rebuild(self, target_context, payload):
-        if not (self._ours() and len(payload) == 2 and isinstance(payload[0], list)):  # Numba's own form
+        if not (self._ours() and len(payload) == 3 and isinstance(payload[0], list)):  # Numba's own form
             return super().rebuild(target_context, payload)
-        names, payload = payload
+        names, digest, payload = payload
         name, kind, data = payload[0]
+        if digest != _digest(kind, data):
+            raise _DamagedEntry(f"the machine code of {name} does not match its checksum")
         cg = target_context.codegen()
         symbols = getattr(cg._engine, "_defined_symbols", None)
         if kind != "object" or not isinstance(symbols, set):  # loaded as Numba loads it
@@ -184,6 +191,20 @@ class _LazyLoad(caching.CompileResultCacheImpl):
             return super().rebuild(target_context, payload)
         finally:
             del cg.unserialize_library
+
+
+class _DamagedEntry(Exception):
+    """A cache entry whose machine code is not what was saved."""
+
+
+def _digest(kind: str, data) -> bytes:
+    """The sha256 of an entry's machine code and bitcode (where it holds them: `kind` 'object')."""
+    if kind != "object":
+        return b""
+    h = hashlib.sha256()
+    for part in data:
+        h.update(part)
+    return h.digest()
 
 
 _RUNTIME_MAGIC = b"npllama NRT 1\n"
@@ -293,12 +314,43 @@ _numba_load_overload = caching.FunctionCache.load_overload
 
 def _load_overload(self, sig, target_context):
     """`FunctionCache.load_overload`: for npllama's functions, without refreshing the target
-    context first (see the module's docstring)."""
+    context first (see the module's docstring), and an entry that cannot be read (truncated,
+    damaged, or its index) a miss: the kernel is compiled anew and its entry replaced."""
     if not (isinstance(self._impl, _LazyLoad) and self._impl._ours()):
         return _numba_load_overload(self, sig, target_context)
     initialize_runtime(target_context)  # what loading machine code needs of the refresh
-    with self._guard_against_spurious_io_errors():
-        return self._load_overload(sig, target_context)
+    try:
+        with self._guard_against_spurious_io_errors():
+            return self._load_overload(sig, target_context)
+    except Exception as e:  # noqa: BLE001: whatever a damaged file makes pickle or the loader raise
+        _log.warning("npllama: a cached kernel of %s could not be read (%s: %s); compiling it anew",
+                     self._py_func.__qualname__, type(e).__name__, e)
+        return None
+
+
+_numba_save_overload = caching.FunctionCache.save_overload
+_unsaved: list[str] = []  # the first save that failed, where one did (warned about once)
+
+
+def _save_overload(self, sig, data):
+    """`FunctionCache.save_overload`: for npllama's functions, an index that cannot be read is
+    written anew, and a save that fails (a full disk, a directory made read-only since) leaves
+    the kernel compiled in memory, with one warning a process."""
+    if not (isinstance(self._impl, _LazyLoad) and self._impl._ours()):
+        return _numba_save_overload(self, sig, data)
+    try:
+        try:
+            self._save_overload(sig, data)
+        except OSError:
+            raise
+        except Exception:  # noqa: BLE001: a damaged index (pickle's errors): written anew, empty
+            self._cache_file.flush()
+            self._save_overload(sig, data)
+    except OSError as e:
+        if not _unsaved:
+            _unsaved.append(str(e))
+            warnings.warn(f"npllama: a compiled kernel could not be saved in the kernel cache ({e}); it is "
+                          f"kept for this process only", RuntimeWarning, stacklevel=2)
 
 
 def _supported() -> bool:
@@ -308,7 +360,7 @@ def _supported() -> bool:
     cache = caching.FunctionCache
     return (library_class is not None and all(hasattr(library_class, a) for a in _LIBRARY_ATTRIBUTES)
             and engine is not None and hasattr(engine, "_load_defined_symbols")
-            and all(hasattr(cache, a) for a in ("_load_overload", "_guard_against_spurious_io_errors"))
+            and all(hasattr(cache, a) for a in ("_load_overload", "_save_overload", "_guard_against_spurious_io_errors"))
             and hasattr(rtsys, "initialize") and hasattr(rtsys, "_init")
             and isinstance(getattr(_nrt_python, "c_helpers", None), dict)
             and hasattr(nrtdynmod, "create_nrt_module") and hasattr(codegen.JITCPUCodegen, "magic_tuple")
@@ -317,10 +369,13 @@ def _supported() -> bool:
 
 
 def install() -> bool:
-    """Load npllama's cached kernels lazily from now on (once); False where this Numba lacks
-    what that needs (its own loading then stays)."""
+    """Load npllama's cached kernels lazily from now on (once); False, with one warning, where
+    this Numba lacks what that needs (its own loading then stays)."""
     if not _supported():
+        warnings.warn("npllama: this Numba's caching is not the one npllama's kernel loading was written for; "
+                      "cached kernels load as Numba loads them (slower)", RuntimeWarning, stacklevel=2)
         return False
     caching.FunctionCache._impl_class = _LazyLoad
     caching.FunctionCache.load_overload = _load_overload
+    caching.FunctionCache.save_overload = _save_overload
     return True
