@@ -3,8 +3,10 @@ from .arraytype import install as _install_array_typing
 from .cacheload import install as _install_lazy_loads
 from .cachestamp import install as _install_cache_locators
 from .codepages import install as _install_code_page_release
+from .compilelog import install as _install_compile_report
 
 _install_cache_locators()  # before any kernel module compiles or loads a cached function
 _install_lazy_loads()  # cached kernels load without Numba's registries; their bitcode parsed only if linked
 _install_code_page_release()  # LLVM's code leaves the resident set after each load
 _install_array_typing()  # a plain array's first typing imports no numpy.ma
+_install_compile_report()  # a first run's minutes of compiling say what they are doing
