@@ -7,6 +7,10 @@
 import importlib
 from typing import TYPE_CHECKING
 
+from . import targets
+
+targets.apply()  # $NPLLAMA_TARGET: compile for a portable CPU target, set before Numba reads its settings
+
 # The public names and the modules that define them. Each module is imported when one of its
 # names is first used (PEP 562), so `import npllama` is cheap and a command imports only what it
 # runs.

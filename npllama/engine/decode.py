@@ -28,7 +28,7 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import overload
 
-from ..kernels import aligned
+from ..kernels import aligned, cacheload
 from ..kernels.aligned import _empty
 from ..kernels.attention import _BLOCK, _CHUNK, _chunk_span, _decode_chunk, _merge_chunks
 from ..kernels.paged_attention import _paged_block
@@ -123,6 +123,7 @@ class DecodePlan:
         # steps from several Python threads take turns (the parallel region runs without the
         # GIL, and every step uses all the threads it is given anyway)
         self._lock = threading.Lock()
+        self._helper = None  # a process compiling the step for this plan (`load`), until a step waits for it
 
     def step(self, token: int, pos: int, cache, threads: int) -> np.ndarray:
         """Logits (n_vocab,) of `token` at `pos` (== cache.length); writes row `pos` of every
@@ -148,22 +149,33 @@ class DecodePlan:
         pool.commit(seq, [token])
         return logits
 
-    def load(self, cache, threads: int) -> None:
-        """Load the step's machine code for `cache` (from Numba's cache, or compile it) without
-        running a step. A prompt's prefill calls this before it fills the cache: loading a
-        kernel maps ~50 MiB of LLVM's code back for a moment (kernels/codepages.py), which
-        would otherwise come on top of a long prompt's whole cache at its first decoded token."""
+    def load(self, cache, threads: int, helper: bool = True) -> None:
+        """Load the step's machine code for `cache` from the kernel cache without running a
+        step. A prompt's prefill calls this before it fills the cache: loading a kernel maps
+        ~50 MiB of LLVM's code back for a moment (kernels/codepages.py), which would otherwise
+        come on top of a long prompt's whole cache at its first decoded token. Where the cache
+        does not have it, a helper process compiles it while the prompt compiles and runs its
+        own kernels, and the first step waits for it (engine/precompile.py); without one
+        (`helper` False, or none could start) it is compiled now."""
         kvs = cache.buffers()
         with self._lock:
             args = self._arguments(0, cache.length, kvs, _WHOLE, kvs.shape[1], threads,
                                    np.empty(self.model.config.n_vocab, np.float32))
             sig = tuple(_decode_step.typeof_pyval(a) for a in args)
-            if sig not in _decode_step.overloads:
+            if self._helper is not None or cacheload.load_cached(_decode_step, sig):
+                return
+            if helper:
+                from . import precompile
+                self._helper = precompile.start(self.model, "decode")
+            if self._helper is None:
                 _decode_step.compile(sig)
 
     def _run(self, token, pos, kvs, pages, ps, threads) -> np.ndarray:
         logits = np.empty(self.model.config.n_vocab, np.float32)
         with self._lock:  # the steps of a model's sessions share its working memory
+            if self._helper is not None:  # its step loads from the cache below (compiled here where it failed)
+                helper, self._helper = self._helper, None
+                helper.wait()
             _decode_step(*self._arguments(token, pos, kvs, pages, ps, threads, logits))
         return block.softcap(logits, self.model.config.softcap)
 

@@ -61,7 +61,7 @@ import warnings
 import llvmlite
 import llvmlite.binding as ll
 import numba
-from numba.core import caching, codegen, config, environment
+from numba.core import caching, codegen, config, environment, sigutils
 from numba.core.compiler_lock import global_compiler_lock
 from numba.core.runtime import _nrt_python, nrtdynmod, rtsys
 
@@ -351,6 +351,29 @@ def _save_overload(self, sig, data):
             _unsaved.append(str(e))
             warnings.warn(f"npllama: a compiled kernel could not be saved in the kernel cache ({e}); it is "
                           f"kept for this process only", RuntimeWarning, stacklevel=2)
+
+
+def load_cached(dispatcher, sig) -> bool:
+    """Whether `dispatcher` has machine code for the signature `sig`, loaded from the cache
+    where it is there: the first steps of Numba's `Dispatcher.compile`, without its compile (a
+    miss is the caller's to compile, here or elsewhere). Where this Numba's dispatcher lacks
+    what that reads, it compiles (True)."""
+    args, _ = sigutils.normalize_signature(sig)
+    if tuple(args) in dispatcher.overloads:
+        return True
+    cache, hits, ctx = (getattr(dispatcher, a, None) for a in ("_cache", "_cache_hits", "targetctx"))
+    if not (hasattr(cache, "load_overload") and hasattr(hits, "__setitem__") and hasattr(ctx, "insert_user_function")
+            and hasattr(dispatcher, "add_overload")):
+        dispatcher.compile(sig)
+        return True
+    with global_compiler_lock:
+        cres = cache.load_overload(sig, ctx)
+        if cres is None:
+            return False
+        hits[sig] += 1
+        ctx.insert_user_function(cres.entry_point, cres.fndesc, [cres.library])
+        dispatcher.add_overload(cres)
+    return True
 
 
 def _supported() -> bool:

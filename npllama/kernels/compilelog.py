@@ -43,7 +43,7 @@ except ImportError:  # a Numba without compile events: `install` warns and does 
 from .cachestamp import cache_root
 
 DELAY = 1.0  # seconds of compiling before the report starts
-IDLE = 0.5  # seconds without an npllama compile that end it
+IDLE = 2.0  # seconds without an npllama compile that end it (a run loads a few files between its groups of kernels)
 TICK = 0.25  # seconds between redraws
 EVERY = 10.0  # seconds between plain lines, where the stream is not a terminal
 BAR = 20  # the bar's width in characters
@@ -143,6 +143,28 @@ class _Job:
         return False
 
 
+class _Elsewhere:
+    """See `elsewhere`."""
+
+    def __init__(self, name: str):
+        self.name, self.kernels = name, 0
+
+    def __enter__(self):
+        _report.waiting(self, self.name)
+        return self
+
+    def __exit__(self, *exc):
+        _report.waited(self, self.kernels)
+        return False
+
+
+def elsewhere(name: str) -> _Elsewhere:
+    """`with elsewhere(name) as w:` around a wait for kernels that another process compiles
+    for this one (a helper process beside the first prompt): shown as `name` being compiled
+    while the wait lasts, and the `w.kernels` it compiled, set by the caller, counted."""
+    return _Elsewhere(name)
+
+
 def job(label: str) -> _Job:
     """`with job(label):` around work that may compile kernels: the report shows the kernels
     compiled so far against the count the same label compiled the last time it compiled any
@@ -184,6 +206,30 @@ class _Report:
                                  daemon=True).start()
             self.running.append((dispatcher, _name(func), now, len(getattr(dispatcher, "overloads", ()))))
             self.compiler = threading.get_ident()
+            self._update(now)
+
+    def waiting(self, token, name: str) -> None:
+        """A compile in another process that this one waits for (`elsewhere`), shown as
+        running until `waited`."""
+        now = time.monotonic()
+        with self.lock:
+            if self.since is None:
+                self.since, self.last, self.count, self.shown = now, now, 0, False
+                threading.Thread(target=self._watch, args=(self.episode,), name="npllama-compilelog",
+                                 daemon=True).start()
+            self.running.append((token, name, now, 0))
+            self.compiler = threading.get_ident()
+            self._update(now)
+
+    def waited(self, token, kernels: int) -> None:
+        now = time.monotonic()
+        with self.lock:
+            self.running = [r for r in self.running if r[0] is not token]
+            if not self.running:
+                self.last = now
+            self.count += kernels
+            for j in self._jobs_of(threading.get_ident()):
+                j.count += kernels
             self._update(now)
 
     def ended(self, dispatcher) -> None:
