@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Sequence
 
+from ..cache.kvcache import KVCache
 from ..cache.kvpool import KVPool, PoolExhaustedError, PoolSeq
 from ..engine.batch import _check_pool, decode_alone, decodes_alone, forward_batch
 from ..engine.session import check_ctx
@@ -110,6 +111,9 @@ class Scheduler:
         if not isinstance(step_tokens, int) or step_tokens < 1:
             raise ValueError(f"step_tokens must be an integer >= 1, got {step_tokens!r}")
         _check_pool(model, pool)
+        if decodes_alone(model):  # a lone request's fused step: loaded now, or compiled by a helper process
+            model.decode_plan.load(KVCache(pool.n_layers, pool.n_kv_heads, pool.head_dim, capacity=1, dtype=pool.dtype),
+                                   threads or model.threads)  # beside the first prompts (engine/precompile.py)
         self.model, self.pool, self.max_batch, self.step_tokens = model, pool, max_batch, step_tokens
         self.prefix_cache, self.threads = prefix_cache, threads
         self.waiting: deque[Request] = deque()
