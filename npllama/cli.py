@@ -198,8 +198,9 @@ def cmd_serve(args) -> int:
 
 def cmd_compile(args) -> int:
     import time
-    from .engine import precompile
+    from . import compile as precompile
     from .gguf.hub import resolve_model
+    from .kernels.cachestamp import cache_root
     from .targets import environment
     env = environment(args.target) if args.target else {}
     path = resolve_model(args.model)
@@ -216,7 +217,7 @@ def cmd_compile(args) -> int:
         else:
             print(f"  {r['job']:8} {r['activations']:5} {r['kernels']:4d} kernels compiled in {r['seconds']:6.1f} s",
                   file=sys.stderr)
-    print(f"npllama: done in {time.perf_counter() - t0:.1f} s; the kernels are in {precompile.cache_root()}"
+    print(f"npllama: done in {time.perf_counter() - t0:.1f} s; the kernels are in {cache_root()}"
           + (f" (run with NPLLAMA_TARGET={args.target} to use them)" if args.target else ""), file=sys.stderr)
     return 1 if failed else 0
 

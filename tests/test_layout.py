@@ -8,7 +8,7 @@ import npllama
 
 # earlier layers first; a module may import from its own layer and the ones before it
 LAYERS = [
-    {"errors", "progress"},
+    {"errors", "progress", "targets"},
     {"kernels"},
     {"cache"},
     {"arch"},
@@ -17,7 +17,7 @@ LAYERS = [
     {"engine"},
     {"generation"},
     {"model", "backends"},  # load(device="cuda") makes the backend's Model subclass
-    {"bench", "cli", "predictor", "server"},
+    {"bench", "cli", "compile", "predictor", "server"},
     {"__init__", "__main__"},
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}

@@ -1,5 +1,5 @@
 """Kernels compiled ahead of their use: a helper process compiles the decode step beside a
-first prompt (engine/precompile.py), `npllama compile` compiles a model's every job, and
+first prompt (engine/precompile.py), `npllama compile` compiles a model's every job (compile.py), and
 $NPLLAMA_TARGET compiles for a portable CPU target (npllama/targets.py)."""
 import json
 import os
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import npllama
-from npllama import targets
+from npllama import compile as jobs, targets
 from npllama.engine import decode, precompile
 from npllama.kernels import cacheload, cpu
 
@@ -70,7 +70,7 @@ def test_npllama_compile_runs_every_job_in_processes(tiny_q8_path):
     r = subprocess.run([sys.executable, "-m", "npllama", "compile", "-m", str(tiny_q8_path), "--activations", "f32",
                         "-j", "2"], capture_output=True, text=True, timeout=850)
     assert r.returncode == 0, r.stderr[-3000:]
-    for job in precompile.JOBS:
+    for job in jobs.JOBS:
         assert any(line.split()[:2] == [job, "f32"] and "kernels compiled" in line for line in r.stderr.splitlines())
     assert "done in" in r.stderr
 
