@@ -245,3 +245,19 @@ def test_a_process_reports_on_stderr(tmp_path):
     assert lines[0] == f"npllama: compiling kernels for this CPU (once; cached in {tmp_path})"
     assert lines[-1].startswith("npllama: compiled 1 kernel in 0:0")
     assert lines[-1].endswith(f" (cached in {tmp_path}; later runs load them)")
+
+
+def test_a_wait_for_another_process_is_shown_as_its_compile_and_its_kernels_counted(report):
+    """A first token waiting for a helper process (engine/precompile.py) is reported as the
+    helper's job being compiled, and the kernels the helper compiled join the count."""
+    out = Terminal()
+    compilelog.set_stream(out, always=True)
+    compile_one()
+    with compilelog.elsewhere("decode (in a helper process)") as shown:
+        deadline = time.monotonic() + 10
+        while "decode (in a helper process)" not in out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.05)  # the thread redraws the line with the wait's name
+        shown.kernels = 5
+    compilelog.finish()
+    assert "decode (in a helper process)" in out.getvalue()
+    assert out.getvalue().rstrip().split("\r")[-1].startswith("npllama: compiled 6 kernels in 0:")

@@ -196,28 +196,24 @@ class _Report:
     # the listener's side
     def started(self, dispatcher) -> None:
         func = getattr(dispatcher, "py_func", None)
-        if func is None or not is_ours(func):
-            return
-        now = time.monotonic()
-        with self.lock:
-            if self.since is None:
-                self.since, self.last, self.count, self.shown = now, now, 0, False
-                threading.Thread(target=self._watch, args=(self.episode,), name="npllama-compilelog",
-                                 daemon=True).start()
-            self.running.append((dispatcher, _name(func), now, len(getattr(dispatcher, "overloads", ()))))
-            self.compiler = threading.get_ident()
-            self._update(now)
+        if func is not None and is_ours(func):
+            self._run(dispatcher, _name(func), len(getattr(dispatcher, "overloads", ())))
 
     def waiting(self, token, name: str) -> None:
         """A compile in another process that this one waits for (`elsewhere`), shown as
         running until `waited`."""
+        self._run(token, name, 0)
+
+    def _run(self, key, name: str, overloads: int) -> None:
+        """A compile under way (`key`: its dispatcher, or a wait's token), the report's thread
+        started with the first of a run of them."""
         now = time.monotonic()
         with self.lock:
             if self.since is None:
                 self.since, self.last, self.count, self.shown = now, now, 0, False
                 threading.Thread(target=self._watch, args=(self.episode,), name="npllama-compilelog",
                                  daemon=True).start()
-            self.running.append((token, name, now, 0))
+            self.running.append((key, name, now, overloads))
             self.compiler = threading.get_ident()
             self._update(now)
 
