@@ -4,7 +4,9 @@ from .cacheload import install as _install_lazy_loads
 from .cachestamp import install as _install_cache_locators
 from .codepages import install as _install_code_page_release
 from .compilelog import install as _install_compile_report
+from .linking import install as _install_own_copies
 
+_install_own_copies()  # a kernel's bits never depend on what was loaded before it
 _install_cache_locators()  # before any kernel module compiles or loads a cached function
 _install_lazy_loads()  # cached kernels load without Numba's registries; their bitcode parsed only if linked
 _install_code_page_release()  # LLVM's code leaves the resident set after each load

@@ -14,7 +14,8 @@ on: Python's, Numba's, llvmlite's and NumPy's versions (`platform_dir`), then th
 module and that module's *closure stamp* (`module_stamp`): the sha256 of the module's source
 and of every npllama module it imports, directly or through others (read from their import
 lines), with the import-time choices that compiled code reads and Numba's key does not
-(whether the panel products use AMX tiles, cpu.AMX). Numba's index in that directory keys
+(whether the panel products use AMX tiles, cpu.AMX) and the way its callees are linked in
+(`linking`). Numba's index in that directory keys
 each entry by its signature and the CPU it was compiled for (its name and features), and
 Numba reads an index written by its own version only. So an edit recompiles the kernels of
 the edited module and of the modules that import it, and nothing else; a second virtualenv,
@@ -46,6 +47,7 @@ import numba
 import numpy as np
 from numba.core import caching
 
+from . import linking
 from .cpu import AMX
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent  # the npllama package
@@ -151,7 +153,7 @@ class ModuleStamps:
 def _stamps() -> ModuleStamps:
     """npllama's closure stamps as this process compiles: with its import-time choices (once a
     process)."""
-    return ModuleStamps(extra="amx" if AMX else "")
+    return ModuleStamps(extra=("amx" if AMX else "") + ("|own-copies" if linking.INSTALLED else ""))
 
 
 def module_stamp(module: str) -> str:

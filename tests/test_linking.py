@@ -1,0 +1,100 @@
+"""A kernel runs its own copies of the functions it calls (kernels/linking.py): its bits never
+depend on which other kernels the process compiled or loaded before it."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import llvmlite.binding as ll
+import numpy as np
+import pytest
+
+from npllama.kernels import linking
+
+pytestmark = pytest.mark.timeout(300)
+
+# nn._rope on fixed input, after rows._rope_rows (which links its own copy of nn._rope_row)
+# where argv[1] says "rows first"; prints the result's bytes as hex.
+ROPE_SCRIPT = textwrap.dedent('''
+    import sys
+    import numpy as np
+    from npllama.kernels import nn, rows
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((37, 4, 16)).astype(np.float32)
+    cos, sin = (rng.standard_normal((64, 8)).astype(np.float32) for _ in range(2))
+    pos = np.arange(37, dtype=np.int64)
+    if sys.argv[1] == "rows first":
+        rows._rope_rows(x.copy(), pos, cos, sin, True)
+    nn._rope(x, pos, cos, sin, True)
+    print(x.tobytes().hex())
+''')
+
+
+def test_a_kernels_bits_do_not_depend_on_the_kernels_loaded_before_it(tmp_path):
+    """The order that once gave nn._rope other bits: a process that compiled it alone, one that
+    compiled rows._rope_rows first (nn._rope loaded), one that loaded both, rows' first (whose
+    copy of nn._rope_row then came first in the JIT's symbols)."""
+    env = {**os.environ, "NPLLAMA_KERNEL_CACHE": str(tmp_path / "kernels"), "NPLLAMA_COMPILE_HELPERS": "0"}
+    outs = []
+    for order in ("alone", "rows first", "rows first"):
+        r = subprocess.run([sys.executable, "-c", ROPE_SCRIPT, order], env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
+        outs.append(r.stdout.strip())
+    assert outs[0] == outs[1] == outs[2]
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((37, 4, 16)).astype(np.float32)
+    cos, sin = (rng.standard_normal((64, 8)).astype(np.float32) for _ in range(2))
+    a, b = x[..., :8], x[..., 8:]
+    c, s = cos[:37, None, :], sin[:37, None, :]
+    want = np.concatenate([a * c - b * s, a * s + b * c], axis=-1)
+    got = np.frombuffer(bytes.fromhex(outs[0]), np.float32).reshape(x.shape)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+IR = '''
+define linkonce_odr i32 @"_ZN7npllama7kernels2nn4copyE"(i32 %x) { ret i32 %x }
+define linkonce_odr i32 @"numba_helper"(i32 %x) { ret i32 %x }
+define i32 @"_ZN7npllama7kernels4rows3ownE"(i32 %x) {
+  %y = call i32 @"_ZN7npllama7kernels2nn4copyE"(i32 %x)
+  ret i32 %y
+}
+declare i32 @"elsewhere"(i32)
+'''
+
+
+def _linkages(module):
+    return {f.name: f.linkage.name for f in module.functions}
+
+
+def test_linked_copies_in_an_npllama_library_become_internal_and_its_own_functions_stay():
+    module = ll.parse_assembly(IR)
+    assert linking.internalize(module) == 2
+    assert _linkages(module) == {"_ZN7npllama7kernels2nn4copyE": "internal",
+                                 "numba_helper": "internal",
+                                 "_ZN7npllama7kernels4rows3ownE": "external",
+                                 "elsewhere": "external"}
+    module.verify()
+
+
+def test_a_library_without_npllama_functions_is_left_as_numba_links_it():
+    module = ll.parse_assembly(IR.replace("7npllama", "5other"))
+    before = _linkages(module)
+    assert linking.internalize(module) == 0
+    assert _linkages(module) == before
+
+
+def test_installed_and_counted_in_the_cache_key(monkeypatch):
+    from npllama.kernels import cachestamp
+    assert linking.INSTALLED  # by importing npllama.kernels
+    installed = cachestamp.ModuleStamps(extra="|own-copies").stamp("kernels.nn")
+    assert cachestamp.module_stamp("kernels.nn") in (installed, cachestamp.ModuleStamps(extra="amx|own-copies").stamp("kernels.nn"))
+    assert cachestamp.ModuleStamps().stamp("kernels.nn") != installed
+
+
+def test_a_numba_without_the_hooked_step_keeps_its_linking_with_one_warning(monkeypatch):
+    class Library:
+        pass
+    monkeypatch.setattr(linking.codegen.JITCPUCodegen, "_library_class", Library)
+    with pytest.warns(RuntimeWarning, match="last bits may depend"):
+        assert linking.install() is False
