@@ -30,6 +30,7 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from machine import print_cpu  # noqa: E402
 from npllama.kernels.attention import attend  # noqa: E402
 
 H, KVH, D = 9, 3, 64
@@ -62,6 +63,7 @@ def best_time(fn, repeats: int) -> float:
 
 
 def main() -> None:
+    print_cpu()
     numba.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
     print(f"threads={args.threads}  H={H} KVH={KVH} D={D}  (best of {args.repeats} calls)")

@@ -31,6 +31,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from bench_compare import ref_python  # noqa: E402
+from machine import print_cpu  # noqa: E402
 
 # Run inside the references' python: argv = gguf path, json file of {"ids": [[...]], "gen": [...]}, threads;
 # print {"seconds": ..., "tokens": [[...]]}, each prompt greedy for its number of tokens in "gen".
@@ -269,6 +270,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=1,
                     help="throughput rounds, each running every engine once (medians and per-round ratios)")
     args = ap.parse_args()
+    print_cpu()
 
     import npllama
     from npllama.gguf.hub import resolve_model

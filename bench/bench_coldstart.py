@@ -39,8 +39,8 @@ and peak RSS (the largest single process, the helper included).
 directory (pip's cache, the model cache and the kernel cache all empty; PIP_* settings kept but
 PIP_CACHE_DIR, and NPLLAMA_*, NUMBA_CACHE_DIR and XDG_CACHE_HOME dropped):
 the install (`make .venv/.installed-demo`), then the run (`make demo`: the model's download,
-the compile and a reply at the CLI's defaults), each timed. Both modes start with the CPU
-(its model name, and whether it has AVX-512, VNNI, AMX and AVX2).
+the compile and a reply at the CLI's defaults), each timed. Every mode starts with the CPU
+(bench/machine.py: its model name and instruction sets, and the kernels' int8 dot path).
 """
 from __future__ import annotations
 
@@ -58,6 +58,7 @@ import time
 from pathlib import Path
 
 from bench_compare import ref_python
+from machine import print_cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 MESSAGE = "Say hi."
@@ -219,8 +220,8 @@ def main():
     ap.add_argument("--demo", action="store_true", help="`make demo`'s wall time on a fresh clone, with a fresh HOME")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
+    print_cpu()
     if args.fresh or args.demo:
-        print_cpu()
         if args.fresh:
             fresh(args)
         if args.demo:
@@ -259,22 +260,6 @@ def main():
     for i, step in enumerate(STEPS):
         print(f"  {step:30s} {statistics.median(s['wall'][i] for s in steps):6.3f} s"
               f"   (Numba cache {statistics.median(s['cache'][i] for s in steps):.3f} s)")
-
-
-def print_cpu() -> None:
-    """The CPU's model name and the instruction sets npllama's kernels can use (/proc/cpuinfo)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
-    flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
-
-    def has(*names: str) -> str:
-        found = [n for n in names if n in flags]
-        return f"yes ({', '.join(found)})" if found else "no"
-    print(f"CPU: {name}, {os.cpu_count()} CPUs; AVX-512 {has('avx512f')}, VNNI {has('avx512_vnni', 'avx_vnni')}, "
-          f"AMX {has('amx_tile', 'amx_int8', 'amx_bf16')}, AVX2 {has('avx2')}")
 
 
 def fresh(args) -> None:

@@ -38,6 +38,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "tests"))
+from machine import print_cpu  # noqa: E402
 
 # Runs inside the references' python: argv = engine, gguf path, ids json, gen, threads, repeats.
 REF_SCRIPT = r'''
@@ -165,6 +166,7 @@ def main():
                     help="comma-separated, from npllama, npllama-int8, npllama-f16kv, llama.cpp, llama.cpp-fa "
                          "(flash attention on), transformers")
     args = ap.parse_args()
+    print_cpu()
     engines = args.engines.split(",")
     known = [*MODES, "llama.cpp", "llama.cpp-fa", "transformers"]
     if unknown := [e for e in engines if e not in known]:

@@ -27,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_compare import ref_python  # noqa: E402
+from machine import print_cpu  # noqa: E402
 
 # Runs inside the references' python: argv = gguf path, context size, flash attention (0/1), ids
 # json. Prints the process's peak RSS in MiB after the prompt and one more token: VmHWM, its
@@ -57,6 +58,7 @@ def main():
     ap.add_argument("--activations", default="f32", choices=["f32", "int8"], help="decode activations")
     ap.add_argument("--llama-cpp", action="store_true", help="also llama-cpp-python's peak RSS on the same tokens")
     args = ap.parse_args()
+    print_cpu()
     import npllama
     from npllama.gguf import panelfile
     from npllama.kernels import quants

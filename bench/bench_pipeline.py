@@ -28,6 +28,7 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import npllama  # noqa: E402
+from machine import print_cpu  # noqa: E402
 from npllama.gguf.hub import resolve_model  # noqa: E402
 
 SUBJECTS = ["the ocean", "volcanoes", "honeybees", "the Roman Empire", "black holes", "photosynthesis",
@@ -129,6 +130,7 @@ def main():
     ap.add_argument("--ways", default="single,ray,dask")
     ap.add_argument("--jobs", default="generate,embed")
     args = ap.parse_args()
+    print_cpu()
     for name in ("NPLLAMA_NUM_THREADS", "OMP_NUM_THREADS"):  # the clusters set their own
         os.environ.pop(name, None)
     path = resolve_model(args.model)

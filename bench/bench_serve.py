@@ -32,6 +32,7 @@ import httpx
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+from machine import print_cpu  # noqa: E402
 
 REF_PY = os.environ.get("NPLLAMA_REF_PY", str(Path.home() / ".cache/npllama-refs/venv/bin/python"))
 SUBJECTS = ["the ocean", "volcanoes", "honeybees", "the Roman Empire", "black holes", "photosynthesis",
@@ -122,6 +123,7 @@ def main() -> None:
     ap.add_argument("--activations", default="f32,int8", help="npllama's modes (default f32,int8)")
     ap.add_argument("--engines", default="npllama,npllama-serial,llama-cpp-python,llama-cpp-python-serial")
     args = ap.parse_args()
+    print_cpu()
     from npllama.gguf.hub import resolve_model
     model = str(args.model or resolve_model())
     questions = [TASKS[i % len(TASKS)].format(SUBJECTS[i % len(SUBJECTS)]) for i in range(args.n)]

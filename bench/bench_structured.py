@@ -27,6 +27,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+from machine import print_cpu  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -133,6 +134,7 @@ def main() -> None:
     ap.add_argument("--mask-only", action="store_true", help="only the mask cost")
     ap.add_argument("--vocab", nargs="*", help="GGUFs whose vocabularies to time the mask for")
     args = ap.parse_args()
+    print_cpu()
     model = args.model or resolve_model()
     vocabs = args.vocab
     if vocabs is None:

@@ -79,6 +79,9 @@ def cmd_info(args) -> int:
     print("quant mix")
     for name, (count, nbytes) in sorted(f.quant_mix().items(), key=lambda kv: -kv[1][1]):
         print(f"  {name:<6} {count:4d} tensors {nbytes / 1e6:9.1f} MB")
+    from .kernels import cpu, quants_int8  # compiles nothing
+    print(f"cpu            {cpu.model_name()}, {os.cpu_count()} CPUs; int8 dots {quants_int8.DOT_ISA}, "
+          f"AMX tiles {'yes' if cpu.AMX else 'no'}")
     return 0
 
 

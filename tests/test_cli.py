@@ -39,6 +39,10 @@ def test_info_on_tiny_model(tiny_model_path):
     assert r.returncode == 0, r.stderr
     for word in ("architecture   llama", "layers         2", "context        256", "F32", "tokenizer      gpt2"):
         assert word in r.stdout
+    from npllama.kernels import cpu, quants_int8
+    last = r.stdout.splitlines()[-1]
+    assert last.startswith("cpu            ") and f" CPUs; int8 dots {quants_int8.DOT_ISA}, " in last
+    assert last.endswith(f"AMX tiles {'yes' if cpu.AMX else 'no'}")
 
 
 @pytest.mark.model

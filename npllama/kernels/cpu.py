@@ -12,7 +12,7 @@ import sys
 import llvmlite.binding as llvm
 from numba import config as numba_config
 
-__all__ = ["AMX", "FEATURES", "target_features"]
+__all__ = ["AMX", "FEATURES", "model_name", "target_features"]
 
 
 def target_features() -> set[str]:
@@ -23,6 +23,16 @@ def target_features() -> set[str]:
     if features is None:
         return {k for k, v in llvm.get_host_cpu_features().items() if v}
     return {f[1:] for f in features.split(",") if f.startswith("+")}
+
+
+def model_name(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name: the first in `cpuinfo`, else the platform's word for it, else "?"."""
+    try:
+        with open(cpuinfo) as f:
+            name = next((line.partition(":")[2].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        name = ""
+    return name or platform.processor() or "?"
 
 
 def amx_ready(features) -> bool:
