@@ -67,20 +67,24 @@ def _linkages(module):
     return {f.name: f.linkage.name for f in module.functions}
 
 
-def test_linked_copies_in_an_npllama_library_become_internal_and_its_own_functions_stay():
+def test_linked_copies_in_an_npllama_library_get_names_of_its_own_and_its_functions_keep_theirs():
     module = ll.parse_assembly(IR)
-    assert linking.internalize(module) == 2
-    assert _linkages(module) == {"_ZN7npllama7kernels2nn4copyE": "internal",
-                                 "numba_helper": "internal",
-                                 "_ZN7npllama7kernels4rows3ownE": "external",
-                                 "elsewhere": "external"}
+    assert linking.localize(module) == 2
+    names = _linkages(module)
+    tag = next(n for n in names if n.startswith("numba_helper.")).split(".", 1)[1]
+    assert names == {f"_ZN7npllama7kernels2nn4copyE.{tag}": "linkonce_odr", f"numba_helper.{tag}": "linkonce_odr",
+                     "_ZN7npllama7kernels4rows3ownE": "external", "elsewhere": "external"}
+    assert f"call i32 @_ZN7npllama7kernels2nn4copyE.{tag}(" in str(module)  # the call follows the copy
     module.verify()
+    other = ll.parse_assembly(IR.replace("4rows3own", "5rows24other"))
+    linking.localize(other)
+    assert f"numba_helper.{tag}" not in _linkages(other)  # another library's copies: other names
 
 
 def test_a_library_without_npllama_functions_is_left_as_numba_links_it():
     module = ll.parse_assembly(IR.replace("7npllama", "5other"))
     before = _linkages(module)
-    assert linking.internalize(module) == 0
+    assert linking.localize(module) == 0
     assert _linkages(module) == before
 
 
