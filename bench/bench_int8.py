@@ -26,9 +26,11 @@ from gguf.quants import quantize
 from numba import njit
 
 from npllama.kernels import panels, quants, quants_int8
+from npllama.kernels.qtypes import type_mask
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_kernels import parse_args, start  # noqa: E402
+from machine import print_cpu  # noqa: E402
 
 SHAPES = [  # (what, type, rows = out features, cols = in features, products sharing one x)
     ("attn q, 576x576", QT.Q4_1, 576, 576, 3),
@@ -42,25 +44,25 @@ SHAPES = [  # (what, type, rows = out features, cols = in features, products sha
 
 # not cached: numba's cache does not notice changes in the kernels these call
 @njit
-def _pass_f32(code, ws, x, out):
+def _pass_f32(mask, code, ws, x, out):
     for i in range(ws.shape[0]):
-        quants._matvec(code, ws[i], x, out)
+        quants._matvec(mask, code, ws[i], x, out)
 
 
 @njit
-def _pass_i8(code, ws, x, qs, d, s, out, share):
+def _pass_i8(mask, code, ws, x, qs, d, s, out, share):
     for i in range(ws.shape[0]):
         if i % share == 0:
             quants_int8._quantize_x_q8(x, qs, d, s)
-        quants_int8._matvec_i8(code, ws[i], x, qs, d, s, out)
+        quants_int8._matvec_i8(mask, code, ws[i], x, qs, d, s, out)
 
 
 @njit
-def _pass_panels(code, pws, rows, x, xr, out, share):
+def _pass_panels(mask, code, pws, rows, x, xr, out, share):
     for i in range(pws.shape[0]):
         if i % share == 0:
             panels._quantize_into(x, xr)
-        panels._matmul_panels(code, pws[i], rows, xr, out)
+        panels._matmul_panels(mask, code, pws[i], rows, xr, out)
 
 
 @njit
@@ -83,14 +85,14 @@ def bench_shape(qtype: QT, rows: int, cols: int, share: int, min_mb: int, repeat
     qs = np.empty(cols, np.int8)
     d = np.empty(cols // 32, np.float32)
     s = np.empty(cols // 32, np.float32)
-    code = int(qtype)
-    runs = {"f32": lambda: _pass_f32(code, ws, x, out),
-            "i8": lambda: _pass_i8(code, ws, x, qs, d, s, out, share)}
+    code, mask = int(qtype), type_mask([qtype])
+    runs = {"f32": lambda: _pass_f32(mask, code, ws, x, out),
+            "i8": lambda: _pass_i8(mask, code, ws, x, qs, d, s, out, share)}
     pws = np.stack([panels.pack_panels(w, qtype)] * copies)
     x2, out2 = x.reshape(1, cols), out.reshape(1, rows)
     xr, xr24 = panels.quantize_rows(x2), panels.quantize_rows_i24(x2)
-    runs["panels"] = lambda: _pass_panels(code, pws, rows, x2, xr, out2, share)
-    runs["int24"] = lambda: _pass_panels(code, pws, rows, x2, xr24, out2, share)
+    runs["panels"] = lambda: _pass_panels(mask, code, pws, rows, x2, xr, out2, share)
+    runs["int24"] = lambda: _pass_panels(mask, code, pws, rows, x2, xr24, out2, share)
     times = {k: [] for k in runs}
     for fn in runs.values():
         fn()
@@ -110,6 +112,7 @@ def bench_shape(qtype: QT, rows: int, cols: int, share: int, min_mb: int, repeat
 
 def main() -> None:
     args = parse_args(__doc__, 7, "passes over the copies")
+    print_cpu()
     bw = start(args)
     print(f"threads: {args.threads}   vpdpbusd: {quants_int8.VNNI}   "
           f"read bandwidth (parallel sum, 512 MB float32): {bw:.1f} GB/s\n")

@@ -33,6 +33,9 @@ from numba import njit, prange
 
 from npllama.kernels import quants
 from npllama.kernels import panels, quants_int8
+from npllama.kernels.qtypes import type_mask
+
+from machine import print_cpu
 
 SHAPES = [  # (what, type, rows = out features, cols = in features)
     ("attn q/o, 576x576", QT.Q4_1, 576, 576),
@@ -113,8 +116,10 @@ def bench_product(qtype: QT, rows: int, cols: int, min_mb: int, repeats: int) ->
     out = np.empty(rows, np.float32)
     code = int(qtype)
 
+    mask = type_mask([qtype])
+
     def kernel(i):
-        quants._matvec(code, ws[i], x, out)
+        quants._matvec(mask, code, ws[i], x, out)
 
     def wrapper(i):
         quants.matmul(ws[i], qtype, x, out=out)
@@ -134,7 +139,7 @@ def bench_product(qtype: QT, rows: int, cols: int, min_mb: int, repeats: int) ->
 
 # not cached: numba's cache does not notice changes in the kernels these call
 @njit(parallel=True, fastmath={"reassoc", "contract", "nsz", "arcp"})
-def _matvec_deq(code, data, x, out):
+def _matvec_deq(mask, code, data, x, out):
     """out = W x by dequantizing each row into a float32 scratch, then dotting it."""
     rows = data.shape[0]
     per = quants._task_rows(rows)
@@ -142,7 +147,7 @@ def _matvec_deq(code, data, x, out):
         row = np.empty(x.shape[0], np.float32)
         for r in range(c * per, min(rows, (c + 1) * per)):
             quants._prefetch_ahead(data, r)
-            quants._deq_row(code, data[r], row)
+            quants._deq_row(mask, code, data[r], row)
             acc = np.float32(0.0)
             for i in range(x.shape[0]):
                 acc += row[i] * x[i]
@@ -150,20 +155,20 @@ def _matvec_deq(code, data, x, out):
 
 
 @njit
-def _pass(kind, code, ws, x, qs, d, s, out):
+def _pass(kind, mask, code, ws, x, qs, d, s, out):
     for i in range(ws.shape[0]):
         if kind == 0:
-            quants._matvec(code, ws[i], x, out)
+            quants._matvec(mask, code, ws[i], x, out)
         elif kind == 1:
-            _matvec_deq(code, ws[i], x, out)
+            _matvec_deq(mask, code, ws[i], x, out)
         else:
-            quants_int8._matvec_i8(code, ws[i], x, qs, d, s, out)
+            quants_int8._matvec_i8(mask, code, ws[i], x, qs, d, s, out)
 
 
 @njit
-def _pass_panels(code, pws, rows, xr, out):
+def _pass_panels(mask, code, pws, rows, xr, out):
     for i in range(pws.shape[0]):
-        panels._matmul_panels(code, pws[i], rows, xr, out)
+        panels._matmul_panels(mask, code, pws[i], rows, xr, out)
 
 
 def random_weight(qtype: QT, rows: int, cols: int, rng) -> np.ndarray:
@@ -197,9 +202,9 @@ def bench_kquants(args, bw: float) -> None:
 
         def run(k):
             if k < 3:
-                _pass(k, int(qtype), ws, x, qs, d, s, out)
+                _pass(k, type_mask([qtype]), int(qtype), ws, x, qs, d, s, out)
             else:
-                _pass_panels(int(qtype), pws, rows, xr, out.reshape(1, rows))
+                _pass_panels(type_mask([qtype]), int(qtype), pws, rows, xr, out.reshape(1, rows))
         times = {k: [] for k in kinds}
         for k in times:
             run(k)
@@ -219,6 +224,7 @@ def bench_kquants(args, bw: float) -> None:
 
 def main() -> None:
     args = parse_args(__doc__, 5, "passes over the copies; products report the median call, bandwidth the best pass")
+    print_cpu()
     bw = start(args)
     if args.kquants:
         print(f"threads: {args.threads}   int8 dots: {quants_int8.DOT_ISA}   "

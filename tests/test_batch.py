@@ -6,6 +6,7 @@ from gguf import GGMLQuantizationType as QT
 
 import npllama
 from npllama.kernels import quants
+from npllama.kernels.qtypes import type_mask
 from npllama.kernels.attention import MASKED, attend
 from npllama.engine.batch import batch_mask, forward_batch
 from npllama.generation.beam import BeamSearch, beam_search
@@ -72,7 +73,7 @@ def test_parallel_workers_compile_once(q8_model):
     wq = q8_model.layers[0].wq
     panels.matmul_panels(panels.pack_panels(wq.data, wq.qtype), wq.qtype, wq.rows,
                          np.ones((2, q8_model.config.n_embd), np.float32))
-    workers = ((decode._worker, 1), (packed._worker, 0), (panels._panel_rows, 2), (panels._store, 2))
+    workers = ((decode._worker, 2), (packed._worker, 1), (panels._panel_rows, 3), (panels._store, 2))
     # a worker compiles only with its caller: where the caller came from Numba's cache, it has
     # no signature in this process (a cold cache, CI's, compiles them all)
     compiled = [(w, index) for w, index in workers if w.signatures]
@@ -634,7 +635,7 @@ def test_matmul_rows_kernel_against_gguf_dequantize(qtype, T):
     data = _weight(qtype, rows, n, rng)
     x = _acts(T, n, rng)
     out = np.full((T, rows), np.nan, np.float32)
-    row_kernels._matmul_rows(int(qtype), data, x, out)
+    row_kernels._matmul_rows(type_mask([qtype]), int(qtype), data, x, out)
     assert_close(out, data, qtype, x)
 
 
@@ -679,7 +680,7 @@ def test_qkv_rows_against_gguf_dequantize(types, T):
     ws = [_weight(t, r, n, rng) for t, r in zip(types, (13, 6, 5))]
     x = _acts(T, n, rng)
     outs = [np.full((T, d.shape[0]), np.nan, np.float32) for d in ws]
-    row_kernels._qkv_rows(int(types[0]), ws[0], int(types[1]), ws[1], int(types[2]), ws[2], x, *outs)
+    row_kernels._qkv_rows(type_mask(types), int(types[0]), ws[0], int(types[1]), ws[1], int(types[2]), ws[2], x, *outs)
     for out, data, qtype in zip(outs, ws, types):
         assert_close(out, data, qtype, x)
 
@@ -713,7 +714,7 @@ def test_gate_up_rows_against_float64_glu(types, act, T):
     f = {"silu": _silu, "gelu_tanh": _gelu_tanh}[act]
     ref = f(g) * u
     out = np.full((T, rows), np.nan, np.float32)
-    row_kernels._gate_up_rows(int(types[0]), wg, int(types[1]), wu, x, out, ACTS[act])
+    row_kernels._gate_up_rows(type_mask(types), int(types[0]), wg, int(types[1]), wu, x, out, ACTS[act])
     # error of each product (see test_products.assert_close), carried through act(g) * u
     # (|act'| <= 1.2, |act(g)| <= |g|), plus the kernels' exp approximation
     x64 = np.abs(x.astype(np.float64))

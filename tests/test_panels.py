@@ -11,6 +11,7 @@ from numba import njit
 
 from npllama.kernels import cpu, panels as P
 from npllama.kernels.nn import ACTS
+from npllama.kernels.qtypes import type_mask
 from test_quants import SCALE_OFFSETS
 from test_quants_int8 import full_range_weight, ref_quantize, runnable_isas
 
@@ -31,7 +32,7 @@ def cols(qtype, blocks):
 
 
 def panel_kernel(isa, one_row=False):
-    """njit (code, pw, rows, xr, out): `_matmul_panels` with the micro-kernels of `isa`
+    """njit (mask, code, pw, rows, xr, out): `_matmul_panels` with the micro-kernels of `isa`
     (serial, not cached; `one_row`: the kernel for one activation row; "amx": AMX's tiles of
     16 rows where there are enough rows, then the vpdpbusd kernel's)."""
     if (isa, one_row) not in _KERNELS:
@@ -41,17 +42,17 @@ def panel_kernel(isa, one_row=False):
             kernel = P._make_panel_dots(isa, one_row)
 
             @njit
-            def dots(code, panel, xr, tmp, wb):
-                kernel(code, panel, xr, tmp)
+            def dots(mask, code, panel, xr, tmp, wb):
+                kernel(mask, code, panel, xr, tmp)
         W = P.PANEL
 
         @njit
-        def run(code, pw, rows, xr, out):
+        def run(mask, code, pw, rows, xr, out):
             T = xr[0].shape[0]
             tmp = np.empty((T, W), np.float32)
             wb = np.empty(16 * xr[0].shape[-1], np.uint8)
             for p in range(pw.shape[0]):
-                dots(code, pw[p], xr, tmp, wb)
+                dots(mask, code, pw[p], xr, tmp, wb)
                 for t in range(T):
                     for i in range(min(W, rows - p * W)):
                         out[t, p * W + i] = tmp[t, i]
@@ -89,7 +90,8 @@ def test_products_every_isa(isa, qtype, int8):
         x[0, :32] *= 100.0
         for one_row in (False, True) if T == 1 else (False,):
             out = np.full((T, rows), np.nan, np.float32)
-            panel_kernel(isa, one_row)(int(qtype), P.pack_panels(data, qtype), rows, P.activation_rows(x, int8), out)
+            panel_kernel(isa, one_row)(type_mask([qtype]), int(qtype), P.pack_panels(data, qtype), rows,
+                                       P.activation_rows(x, int8), out)
             assert_close(out, data, qtype, rows, x, int8)
 
 
@@ -130,7 +132,7 @@ def test_largest_integer_sums_every_isa(isa, qtype, int8):
     # all 64 rows, then each row alone: in a tile of one, and by the kernel for one row
     for rows, one_row in ((slice(0, 64), False), *((slice(t, t + 1), one) for t in range(4) for one in (False, True))):
         out = np.full((rows.stop - rows.start, 3), np.nan, np.float32)
-        panel_kernel(isa, one_row)(int(qtype), pw, 3, tuple(a[rows] for a in xr), out)
+        panel_kernel(isa, one_row)(type_mask([qtype]), int(qtype), pw, 3, tuple(a[rows] for a in xr), out)
         np.testing.assert_array_less(np.abs(out - x[rows] @ w.T), 2e-6 * (np.abs(x[rows]) @ np.abs(w).T) + 1e-30)
 
 
@@ -182,13 +184,13 @@ def test_amx_tiles_are_the_vpdpbusd_kernels_bits(qtype, int8):
     amx = P._panel_dots_amx
 
     @njit
-    def run(code, panel, xr, tmp, wb):
-        amx(code, panel, xr, tmp, wb)
+    def run(mask, code, panel, xr, tmp, wb):
+        amx(mask, code, panel, xr, tmp, wb)
 
     out = np.full((T, 16), np.nan, np.float32)
-    run(int(qtype), pw[0], xr, out, np.empty(16 * xr[0].shape[-1], np.uint8))
+    run(type_mask([qtype]), int(qtype), pw[0], xr, out, np.empty(16 * xr[0].shape[-1], np.uint8))
     ref = np.empty((T, 16), np.float32)
-    panel_kernel(P.DOT_ISA)(int(qtype), pw, rows, xr, ref)
+    panel_kernel(P.DOT_ISA)(type_mask([qtype]), int(qtype), pw, rows, xr, ref)
     np.testing.assert_array_equal(out[:32], ref[:32])
     assert np.isnan(out[32:]).all()
 
@@ -267,11 +269,12 @@ def test_fused_products(int8):
     xr = P.activation_rows(x, int8)
     single = {n: P.matmul_panels(pw[n], t, r, x, int8=int8) for n, (d, t, r) in ws.items()}
     q, k, v = (np.empty((T, ws[n][2]), np.float32) for n in "qkv")
-    P._qkv_panels(int(QT.Q4_1), pw["q"], int(QT.Q8_0), pw["k"], int(QT.Q4_0), pw["v"], xr, q, k, v)
+    P._qkv_panels(type_mask([QT.Q4_1]), int(QT.Q4_1), pw["q"], int(QT.Q8_0), pw["k"], int(QT.Q4_0), pw["v"], xr,
+                  q, k, v)
     for n, a in zip("qkv", (q, k, v)):
         np.testing.assert_array_equal(a, single[n])
     out = np.empty((T, 33), np.float32)
-    P._gate_up_panels(int(QT.Q4_1), pw["g"], int(QT.Q8_0), pw["u"], xr, out, ACTS["silu"])
+    P._gate_up_panels(type_mask([QT.Q4_1]), int(QT.Q4_1), pw["g"], int(QT.Q8_0), pw["u"], xr, out, ACTS["silu"])
     g = single["g"].astype(np.float64)
     np.testing.assert_allclose(out, g / (1 + np.exp(-g)) * single["u"], rtol=1e-5, atol=1e-6)
 

@@ -9,6 +9,7 @@ from numba import njit
 import gguf.quants
 
 from npllama.kernels import quants
+from npllama.kernels.qtypes import type_mask
 from npllama.kernels.threads import using_threads
 from test_quants import FLOAT_TYPES, random_blocks
 
@@ -134,14 +135,14 @@ def test_empty_shapes():
 
 @pytest.mark.parametrize("qtype", [QT.Q4_1, QT.Q8_0, QT.Q4_0, QT.Q5_K, QT.BF16], ids=lambda t: t.name)
 def test_njit_dispatcher(qtype):
-    """_matvec(code, ...), the njit-level product that matmul and other njit code call, on
+    """_matvec(mask, code, ...), the njit-level product that matmul and other njit code call, on
     more rows than one parallel task holds."""
     rng = np.random.default_rng(14)
     rows = 2 * quants._MATVEC_ROWS + 5
     data = weight(qtype, rows, rng)
     x = rng.normal(size=quants.row_elems(qtype, data.shape[1])).astype(np.float32)
     out = np.full(rows, np.nan, np.float32)
-    quants._matvec(int(qtype), data, x, out)
+    quants._matvec(type_mask([qtype]), int(qtype), data, x, out)
     assert_close(out, data, qtype, x)
 
 
@@ -157,7 +158,7 @@ def test_row_range_kernel(qtype):
     quants._block_sums(x, xsum)
     for r0, r1 in ((0, 1), (8, 9), (2, 7), (0, 9)):
         out = np.full(9, np.nan, np.float32)
-        quants._rows_f32(int(qtype), data, r0, r1, x, xsum, np.empty(n, np.float32), out)
+        quants._rows_f32(type_mask([qtype]), int(qtype), data, r0, r1, x, xsum, np.empty(n, np.float32), out)
         assert np.isnan(out[:r0]).all() and np.isnan(out[r1:]).all()
         assert_close(out[r0:r1], data[r0:r1], qtype, x)
 
@@ -247,9 +248,9 @@ def test_direct_dot(qtype, rows, blocks):
     xsum = np.empty(n // 32, np.float32)
     quants._block_sums(x, xsum)
     out = np.full(rows, np.nan, np.float32)
-    quants._rows_f32(int(qtype), data, 0, rows, x, xsum, np.empty(0, np.float32), out)
+    quants._rows_f32(type_mask([qtype]), int(qtype), data, 0, rows, x, xsum, np.empty(0, np.float32), out)
     assert_close(out, data, qtype, x)
-    one = np.array([_dot_row(int(qtype), data[r], x, xsum) for r in range(rows)], np.float32)
+    one = np.array([_dot_row(type_mask([qtype]), int(qtype), data[r], x, xsum) for r in range(rows)], np.float32)
     assert_close(one, data, qtype, x)
 
 
@@ -274,7 +275,7 @@ def test_prefill_rows_with_direct_dots(qtype, T):
     data = weight(qtype, 9, rng, blocks=2)
     x = rng.normal(size=(T, quants.row_elems(qtype, data.shape[1]))).astype(np.float32)
     out = np.full((T, 9), np.nan, np.float32)
-    rows._matmul_rows(int(qtype), data, x, out)
+    rows._matmul_rows(type_mask([qtype]), int(qtype), data, x, out)
     assert_close(out, data, qtype, x)
 
 
@@ -289,13 +290,13 @@ def test_prefill_rows_dequantize_exactly(qtype):
     data = weight(qtype, 5, rng, blocks=2)
     n = quants.row_elems(qtype, data.shape[1])
     out = np.empty((n, 5), np.float32)
-    rows._matmul_rows(int(qtype), data, np.eye(n, dtype=np.float32), out)
+    rows._matmul_rows(type_mask([qtype]), int(qtype), data, np.eye(n, dtype=np.float32), out)
     np.testing.assert_array_equal(out.T, gguf.quants.dequantize(data, qtype))
 
 
 @njit
-def _dot_row(code, row, x, xsum):
-    return quants._dot_row(code, row, x, xsum)
+def _dot_row(mask, code, row, x, xsum):
+    return quants._dot_row(mask, code, row, x, xsum)
 
 
 _LOAD_ORDER_SCRIPT = """
@@ -303,6 +304,7 @@ import sys
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 from npllama.kernels import quants, quants_int8 as qi
+from npllama.kernels.qtypes import type_mask
 import test_products as t
 rng = np.random.default_rng(5)
 cases = []
@@ -314,9 +316,9 @@ if sys.argv[1] == "rows_first":  # the row routines' own libraries, loaded befor
     for qt, data, x in cases:
         xsum, row, out = np.ones(x.shape[0] // 32, np.float32), np.empty_like(x), np.empty(37, np.float32)
         quants._block_sums(x, xsum)
-        quants._rows_f32(int(qt), data, 0, 1, x, xsum, row, out)
+        quants._rows_f32(type_mask([qt]), int(qt), data, 0, 1, x, xsum, row, out)
         if qt in qi.INT8_TYPES:
-            qi._rows_i8(int(qt), data, 0, 1, *qi.quantize_x(x), out)
+            qi._rows_i8(type_mask([qt]), int(qt), data, 0, 1, *qi.quantize_x(x), out)
 for qt, data, x in cases:
     print(qt.name, quants.matmul(data, qt, x).tobytes().hex())
     print(qt.name + "/int8", qi.matmul_int8(data, qt, x).tobytes().hex())

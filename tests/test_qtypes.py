@@ -30,3 +30,19 @@ def test_type_name():
 @pytest.mark.model
 def test_reading_a_model_imports_no_gguf(reply_modules):
     assert sorted(n for n in reply_modules if n.split(".")[0] == "gguf") == []
+
+
+def test_type_mask_takes_whole_groups():
+    from npllama.kernels.qtypes import ALL_TYPES, FLOATS, GROUPS, K_QUANTS, LEGACY, TypeMask, type_mask
+    assert sorted(q for g in GROUPS for q in g) == sorted(QT)  # each type in one group
+    for group in GROUPS:
+        for q in group:  # a type brings its whole group, and nothing else
+            assert type_mask([q]) == type_mask(group) == sum(1 << int(t) for t in group)
+            assert set(t for t in QT if t in type_mask([q])) == set(group)
+    assert type_mask([QT.Q4_1, QT.Q8_0, QT.F32]) == type_mask(LEGACY + FLOATS)  # SmolLM2 Q4_1's types
+    assert type_mask([GGMLQuantizationType.Q4_K, int(QT.Q6_K)]) == type_mask(K_QUANTS)  # gguf's, ints
+    assert type_mask([]) == 0 and ALL_TYPES == type_mask(QT) == sum(1 << int(t) for t in QT)
+    assert isinstance(type_mask([QT.F16]), TypeMask) and QT.BF16 in type_mask([QT.F16])
+    assert QT.Q4_K not in type_mask([QT.Q4_0]) and repr(type_mask([QT.F32])) == "TypeMask(F32, F16, BF16)"
+    with pytest.raises(ValueError):
+        type_mask([int(GGMLQuantizationType.IQ2_XXS)])  # a type npllama does not read

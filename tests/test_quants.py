@@ -6,6 +6,7 @@ from gguf.constants import GGML_QUANT_SIZES
 import gguf.quants
 
 from npllama.kernels import quants
+from npllama.kernels.qtypes import type_mask
 
 # Byte offsets of the float16 scale fields (d, m, dmin) inside one block of each quantized type.
 SCALE_OFFSETS = {
@@ -70,7 +71,7 @@ def test_vector_row_dequantizers(qtype):
         data = random_blocks(qtype, 5, blocks, rng)
         out = np.full((5, quants.row_elems(qtype, data.shape[1])), np.nan, np.float32)
         for r in range(5):
-            quants._deq_row_vec(int(qtype), data[r], out[r])
+            quants._deq_row_vec(type_mask([qtype]), int(qtype), data[r], out[r])
         assert_bit_exact(out, gguf.quants.dequantize(data, qtype))
 
 

@@ -13,6 +13,7 @@ from numba import njit
 
 from npllama.kernels import cpu, quants
 from npllama.kernels import quants_int8 as qi
+from npllama.kernels.qtypes import type_mask
 from npllama.kernels.threads import using_threads
 from test_products import small_scale_bits, weight
 from test_quants import SCALE_OFFSETS, random_blocks
@@ -370,14 +371,14 @@ def test_matvec_kernels(qtype, rows, threads):
         x = rng.normal(size=32 * blocks).astype(np.float32)
         qs, d, s = qi.quantize_x(x)
         out = np.full(rows, np.nan, np.float32)
-        qi._matvec_i8(int(qtype), data, x, qs, d, s, out)
+        qi._matvec_i8(type_mask([qtype]), int(qtype), data, x, qs, d, s, out)
         assert_int8_close(out, data, qtype, qs, d, s)
         # the other entry points: the same math, but each compilation may order the float
         # sums its own way (fastmath reassociation), so up to rounding
         assert_int8_close(qi.matmul_int8(data, qtype, x), data, qtype, qs, d, s)
         # the fused decode step's serial row-range product
         out3 = np.full(rows, np.nan, np.float32)
-        qi._rows_i8(int(qtype), data, rows // 2, rows, qs, d, s, out3)
+        qi._rows_i8(type_mask([qtype]), int(qtype), data, rows // 2, rows, qs, d, s, out3)
         assert np.isnan(out3[:rows // 2]).all()
         assert_int8_close(out3[rows // 2:], data[rows // 2:], qtype, qs, d, s)
 
@@ -422,11 +423,11 @@ def test_new_matvec_kernels(qtype, rows, threads):
         x = rng.normal(size=block_elems(qtype) * blocks).astype(np.float32)
         qs, d, s = qi.quantize_x(x)
         out = np.full(rows, np.nan, np.float32)
-        qi._matvec_i8(int(qtype), data, x, qs, d, s, out)
+        qi._matvec_i8(type_mask([qtype]), int(qtype), data, x, qs, d, s, out)
         assert_int8_close(out, data, qtype, qs, d, s)
         assert_int8_close(qi.matmul_int8(data, qtype, x), data, qtype, qs, d, s)
         out3 = np.full(rows, np.nan, np.float32)
-        qi._rows_i8(int(qtype), data, rows // 2, rows, qs, d, s, out3)
+        qi._rows_i8(type_mask([qtype]), int(qtype), data, rows // 2, rows, qs, d, s, out3)
         assert np.isnan(out3[:rows // 2]).all()
         assert_int8_close(out3[rows // 2:], data[rows // 2:], qtype, qs, d, s)
 
@@ -458,7 +459,7 @@ def test_other_types_fall_back(qtype, threads):
     else:
         qs, d, s = np.empty(0, np.int8), np.empty(0, np.float32), np.empty(0, np.float32)
     out = np.empty(6, np.float32)
-    qi._matvec_i8(int(qtype), data, x, qs, d, s, out)
+    qi._matvec_i8(type_mask([qtype]), int(qtype), data, x, qs, d, s, out)
     np.testing.assert_array_equal(out, ref)
 
 

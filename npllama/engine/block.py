@@ -17,9 +17,25 @@ Per layer, with the flags of the description:
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from ..kernels.nn import _rope, glu, rmsnorm
+from ..kernels.qtypes import TypeMask, type_mask
+
+_MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def kernel_mask(model) -> TypeMask:
+    """The type mask (kernels/qtypes.py) of the compiled kernels that read `model`'s weights
+    (the decode step, the packed pass, PanelOps' products): the groups of the types of its
+    product weights and its token embedding. Made once a model (a batched pass makes its
+    PanelOps anew)."""
+    mask = _MASKS.get(model)
+    if mask is None:
+        mask = _MASKS[model] = type_mask([w.qtype for w in model.product_weights()] + [model.token_embd.qtype])
+    return mask
 
 
 class Ops:

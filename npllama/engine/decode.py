@@ -19,6 +19,11 @@ value rows are written straight into the KV cache's array; the caller commits th
 afterwards. The cache is addressed through a page table: a session's cache is one page
 (`DecodePlan.step`), a KV pool sequence its pages (`DecodePlan.step_paged`, for a request
 decoding alone in the continuous batching).
+
+The step holds the product and dequantization code of the types of the model's weights only,
+by group (`DecodePlan.mask`, a kernels.qtypes.TypeMask, its first argument): Numba types the
+mask as its literal value, so a model of one quantization compiles its own, smaller step
+(each mask a version of its own, in Numba's cache too).
 """
 from __future__ import annotations
 
@@ -69,6 +74,8 @@ class DecodePlan:
         # the products' activations: int8 blocks (int8 mode), else int24 ones (the exact
         # mode: three planes of int8 digits), for the panels' integer dots
         self.int8 = int8
+        # the types whose code the step holds: those of the model's weights, by group
+        self.mask = block.kernel_mask(model)
         layers = model.layers
         cfg = model.config
 
@@ -190,7 +197,7 @@ class DecodePlan:
         else:
             n_chunks = max(1, min(_CHUNKS_PER_THREAD * threads, (pos + 1) // (_BLOCK // 2)))
         cos, sin = m.ropes.tables(pos + 1)
-        return (token, pos, n_chunks, self.buffer, self.panels, self.table, self.attn_norm, self.ffn_norm,
+        return (self.mask, token, pos, n_chunks, self.buffer, self.panels, self.table, self.attn_norm, self.ffn_norm,
                 self.bq, self.bk, self.bv, self.q_norm, self.k_norm, self.post_attn, self.post_ffn,
                 self.lcfg, self.act, self.embd_scale, bits(kvs), pages, ps, cos, sin, cfg.rope_neox,
                 self.eps, self.scale, cfg.n_head, m.output_norm, logits, threads, self.offs,
@@ -258,35 +265,36 @@ def _prepare(x, xsum, xq):
     _quantize_into(x.reshape(1, x.shape[0]), xq)
 
 
-def _gguf_rows(code, w, r0, r1, x, xsum, xq, row, out):
+def _gguf_rows(mask, code, w, r0, r1, x, xsum, xq, row, out):
     """out[r] = dot(row r of the GGUF weight w, x) for r in r0..r1-1: by the int8 row dots
     (quants_int8) where x's form xq is int8 and the type has them, else by the float32 ones
     (quants; row: float32 scratch as long as x, for types they dequantize first)."""
     if xq[0].ndim == 2 and _has_i8(code):
-        _rows_i8(code, w, r0, r1, xq[0][0], xq[1][0], xq[2][0], out)
+        _rows_i8(mask, code, w, r0, r1, xq[0][0], xq[1][0], xq[2][0], out)
     else:
-        _rows_f32(code, w, r0, r1, x, xsum, row, out)
+        _rows_f32(mask, code, w, r0, r1, x, xsum, row, out)
 
 
 @overload(_gguf_rows)
-def _gguf_rows_jit(code, w, r0, r1, x, xsum, xq, row, out):
+def _gguf_rows_jit(mask, code, w, r0, r1, x, xsum, xq, row, out):
     if xq[0].ndim == 2:  # int8 forms: the function itself compiles
         return _gguf_rows
-    return lambda code, w, r0, r1, x, xsum, xq, row, out: _rows_f32(code, w, r0, r1, x, xsum, row, out)
+    return lambda mask, code, w, r0, r1, x, xsum, xq, row, out: _rows_f32(mask, code, w, r0, r1, x, xsum, row, out)
 
 
 @njit(cache=True)
-def _rows(code, w, panels, r0, r1, x, xsum, xq, row, tmp, out):
+def _rows(mask, code, w, panels, r0, r1, x, xsum, xq, row, tmp, out):
     """out[r] = dot(row r of w, x) for r in r0..r1-1, x in its forms (`_prepare`); with
     ``panels``, w is a weight's panels and r0..r1 are panels, whose rows the panel kernel
-    computes (tmp: (1, 16)), else w is GGUF rows (`_gguf_rows`)."""
+    computes (tmp: (1, 16)), else w is GGUF rows (`_gguf_rows`). The kernels hold the code
+    of the types of ``mask`` only (`DecodePlan.mask`)."""
     if panels:
         for p in range(r0, r1):
-            _panel_dots_one(code, w[p], xq, tmp)
+            _panel_dots_one(mask, code, w[p], xq, tmp)
             for i in range(min(PANEL, out.shape[0] - p * PANEL)):
                 out[p * PANEL + i] = tmp[0, i]
     else:
-        _gguf_rows(code, w, r0, r1, x, xsum, xq, row, out)
+        _gguf_rows(mask, code, w, r0, r1, x, xsum, xq, row, out)
 
 
 @njit(cache=True)
@@ -300,7 +308,7 @@ def _weight(buffer, panels, entry):
 
 
 @njit(cache=True)
-def _product(ctr, slot, home, nr, code, w, pan, x, xsum, xq, row, tmp, out, pair, code2, w2, out2, act):
+def _product(ctr, slot, home, nr, mask, code, w, pan, x, xsum, xq, row, tmp, out, pair, code2, w2, out2, act):
     """Take items of ``out = W x`` from the phase at ``slot`` (``nr`` ranges, this thread's
     is ``home``) until none is left, and publish them. Returns the number of items. With
     ``pan``, w (and w2) are panels (`_rows`).
@@ -319,7 +327,7 @@ def _product(ctr, slot, home, nr, code, w, pan, x, xsum, xq, row, tmp, out, pair
         u0, u1 = i * per, min(units, (i + 1) * per)
         for half in range(2 if pair else 1):
             c, wh, o = (code, w, out) if half == 0 else (code2, w2, out2)
-            _rows(c, wh, pan, u0, u1, x, xsum, xq, row, tmp, o)  # one call site: one copy of the kernels
+            _rows(mask, c, wh, pan, u0, u1, x, xsum, xq, row, tmp, o)  # one call site: one copy of the kernels
         if pair:  # the GLU as the prefill's products compute it: the panels' strict arithmetic, or the rows'
             if pan:
                 for r in range(u0 * PANEL, min(rows, u1 * PANEL)):
@@ -358,7 +366,7 @@ def _adjacent(entries, n):
 
 
 @njit(cache=True)
-def _product_run(ctr, slot, home, nr, entries, n, buffer, panels, x, xsum, xq, row, tmp, res, offs):
+def _product_run(ctr, slot, home, nr, mask, entries, n, buffer, panels, x, xsum, xq, row, tmp, res, offs):
     """`_product` over the first n products of a layer whose panels lie one after another in
     the arena (`_adjacent`; q, k and v, of one input), as one phase: items of about equal
     bytes over the whole run, so that each thread's range is one stretch of memory (product s
@@ -379,8 +387,8 @@ def _product_run(ctr, slot, home, nr, entries, n, buffer, panels, x, xsum, xq, r
             units = (e[2] + PANEL - 1) // PANEL
             a, b = max(u0, base), min(u1, base + units)
             if a < b:
-                _rows(e[0], _weight(buffer, panels, e), e[4] == 1, a - base, b - base, x, xsum, xq, row, tmp,
-                      res[offs[s]:offs[s + 1]])
+                _rows(mask, e[0], _weight(buffer, panels, e), e[4] == 1, a - base, b - base, x, xsum, xq, row,
+                      tmp, res[offs[s]:offs[s + 1]])
             base += units
         done += 1
     _finish(ctr, slot, nr, done)
@@ -487,7 +495,7 @@ def _private(f32, i8, n_embd, q_dim, n_ff, KVH, G, D):
 
 
 @njit(cache=True)
-def _worker(ctr, home, nr, token, pos, buffer, panels, table, attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm,
+def _worker(mask, ctr, home, nr, token, pos, buffer, panels, table, attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm,
             post_attn, post_ffn, lcfg, act, embd_scale, kvs, pages, ps, cos, sin, neox, eps, scale, H, out_norm,
             logits, res, offs, part_m, part_l, part_acc, f32, i8, n_items):
     """One thread's share of a decode step. Every thread keeps its own copy of the residual
@@ -510,7 +518,7 @@ def _worker(ctr, home, nr, token, pos, buffer, panels, table, attn_norm, ffn_nor
     x, h, row, xsum, xe, xa, xf, q, k, v, s, tmp = _private(f32, i8, n_embd, q_dim, n_ff, KVH, H // KVH, D)
     he, ha, hf = h[:n_embd], h[:q_dim], h[:n_ff]
     embd = table[n_layer, 1]
-    _deq_row(embd[0], _weight(buffer, panels, embd)[token], x)
+    _deq_row(mask, embd[0], _weight(buffer, panels, embd)[token], x)
     if embd_scale != 1:
         x *= embd_scale
     for li in range(n_layer + 1):
@@ -550,12 +558,12 @@ def _worker(ctr, home, nr, token, pos, buffer, panels, table, attn_norm, ffn_nor
             else:
                 xin, xq = he, xe
             if step < 3 and li < n_layer and _adjacent(table[li], 3):  # q, k and v as one run
-                n_items[step] = _product_run(ctr, _slot(li, 0, nr), home, nr, table[li], 3, buffer, panels, he,
-                                             xsum, xe, row, tmp, res[li], offs) if step == 0 else 0
+                n_items[step] = _product_run(ctr, _slot(li, 0, nr), home, nr, mask, table[li], 3, buffer, panels,
+                                             he, xsum, xe, row, tmp, res[li], offs) if step == 0 else 0
             else:
-                n_items[step] = _product(ctr, _slot(li, step, nr), home, nr, entry[0], _weight(buffer, panels, entry),
-                                         entry[4] == 1, xin, xsum, xq, row, tmp, out, li < n_layer and step == 4,
-                                         up[0], _weight(buffer, panels, up), out_up, act)
+                n_items[step] = _product(ctr, _slot(li, step, nr), home, nr, mask, entry[0],
+                                         _weight(buffer, panels, entry), entry[4] == 1, xin, xsum, xq, row, tmp, out,
+                                         li < n_layer and step == 4, up[0], _weight(buffer, panels, up), out_up, act)
         if li < n_layer:
             _wait(ctr, _slot(li, 6, nr), nr, n_items[6])
             _residual(x, res[li, offs[6]:offs[7]], post_ffn, li, eps, he)
@@ -688,7 +696,7 @@ def _fixed_chunks(ctr, home, nr, slot, pos, lo, q, kv, pages, ps, window, scale,
 
 
 @njit(parallel=True, cache=True)
-def _decode_step(token, pos, n_chunks, buffer, panels, table, attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm,
+def _decode_step(mask, token, pos, n_chunks, buffer, panels, table, attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm,
                  post_attn, post_ffn, lcfg, act, embd_scale, kvs, pages, ps, cos, sin, neox, eps, scale, H, out_norm,
                  logits, n_threads, offs, res, part_m, part_l, part_acc, ctr, f32, i8, n_items):
     """One token through every layer in one parallel region: each thread runs `_worker`, and
@@ -711,6 +719,6 @@ def _decode_step(token, pos, n_chunks, buffer, panels, table, attn_norm, ffn_nor
     ctr[:_slot(n_layer + 1, 0, n_threads)] = 0
     for t in prange(n_threads):
         home = np.int64(t)  # prange's index is unsigned in the parallel region: one signature of _worker
-        _worker(ctr, home, n_threads, token, pos, buffer, panels, table, attn_norm, ffn_norm, bq, bk, bv, q_norm,
+        _worker(mask, ctr, home, n_threads, token, pos, buffer, panels, table, attn_norm, ffn_norm, bq, bk, bv, q_norm,
                 k_norm, post_attn, post_ffn, lcfg, act, embd_scale, kvs, pages, ps, cos, sin, neox, eps, scale, H,
                 out_norm, logits, res, offs, pm, pl, pa, f32[home], i8[home], n_items[home])

@@ -31,30 +31,32 @@ def fits_rows(cfg) -> bool:
     return all(n % 32 == 0 for n in dims)
 
 
-def _product_rows(w, h):
-    """h @ w.T by the row kernels (h: T contiguous float32 rows)."""
+def _product_rows(mask, w, h):
+    """h @ w.T by the row kernels (h: T contiguous float32 rows; mask: the model's type mask)."""
     out = np.empty((h.shape[0], w.rows), np.float32)
-    _matmul_rows(int(w.qtype), w.data, np.ascontiguousarray(h), out)
+    _matmul_rows(mask, int(w.qtype), w.data, np.ascontiguousarray(h), out)
     return out
 
 
 class PanelOps(block.Ops):
     """The block's pieces (the module's docstring); `model.panels(w)` gives a weight's panels,
-    or None for a weight without them."""
+    or None for a weight without them. The kernels hold the code of the types of the model's
+    weights (`block.kernel_mask`)."""
 
     def __init__(self, model, attention, *, int8: bool):
         super().__init__(model.config, attention=attention)
         self.eps = np.float32(model.config.rms_eps)
         self.act = ACTS[model.config.act]
         self.panels, self.int8 = model.panels, int8
+        self.mask = block.kernel_mask(model)
 
     def product(self, w, h):
         pw = self.panels(w)
         if pw is None:
-            return _product_rows(w, h)
+            return _product_rows(self.mask, w, h)
         xr = activation_rows(h, self.int8)
         out = aligned.empty((h.shape[0], w.rows), np.float32)  # a panel's rows on cache lines
-        _matmul_panels(int(w.qtype), pw, w.rows, xr, out)
+        _matmul_panels(self.mask, int(w.qtype), pw, w.rows, xr, out)
         return out
 
     def norm(self, x, w):
@@ -73,10 +75,11 @@ class PanelOps(block.Ops):
         k = aligned.empty((T, L.wk.rows), np.float32)
         v = aligned.empty((T, L.wv.rows), np.float32)
         if rows:
-            _qkv_rows(int(L.wq.qtype), L.wq.data, int(L.wk.qtype), L.wk.data, int(L.wv.qtype), L.wv.data, h, q, k, v)
+            _qkv_rows(self.mask, int(L.wq.qtype), L.wq.data, int(L.wk.qtype), L.wk.data, int(L.wv.qtype), L.wv.data,
+                      h, q, k, v)
         else:
-            _qkv_panels(int(L.wq.qtype), pq, int(L.wk.qtype), pk, int(L.wv.qtype), pv, activation_rows(h, self.int8),
-                        q, k, v)
+            _qkv_panels(self.mask, int(L.wq.qtype), pq, int(L.wk.qtype), pk, int(L.wv.qtype), pv,
+                        activation_rows(h, self.int8), q, k, v)
         return q, k, v
 
     def glu(self, gate, up, h):
@@ -85,9 +88,10 @@ class PanelOps(block.Ops):
             return block.Ops.glu(self, gate, up, h)
         out = aligned.empty((h.shape[0], gate.rows), np.float32)
         if pg is None:
-            _gate_up_rows(int(gate.qtype), gate.data, int(up.qtype), up.data, h, out, self.act)
+            _gate_up_rows(self.mask, int(gate.qtype), gate.data, int(up.qtype), up.data, h, out, self.act)
         else:
-            _gate_up_panels(int(gate.qtype), pg, int(up.qtype), pu, activation_rows(h, self.int8), out, self.act)
+            _gate_up_panels(self.mask, int(gate.qtype), pg, int(up.qtype), pu, activation_rows(h, self.int8), out,
+                            self.act)
         return out
 
     def rope(self, q, k, positions, cos, sin):

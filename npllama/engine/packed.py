@@ -15,8 +15,9 @@ writes), per panel of 16 weight rows (the products, by `panels._panel_rows` as
 paged kernel's). Each computes what block.run_layers computes for it, by the same routines,
 so a token gets the same bits either way (tests compare them). The weights are addressed
 through the fused decode step's table (decode.DecodePlan: panels in the model's panel arena,
-the architecture's optional pieces as stacked arrays), so it serves models whose every layer
-product has panels; the others take `block.run_layers`.
+the architecture's optional pieces as stacked arrays, the type mask of the panel kernels'
+code), so it serves models whose every layer product has panels; the others take
+`block.run_layers`.
 
 A session's prompt runs here too (`Transformer._forward`): a KVCache's buffers are the
 records of one page as long as its capacity, read through a page table of one entry. On an
@@ -61,7 +62,7 @@ def run_layers(model, x: np.ndarray, positions: np.ndarray, records: np.ndarray,
     forms = [empty_rows(T, n, plan.int8) for n in (cfg.n_embd, cfg.q_dim, n_ff)]
     kvs = bits(records)
     kvs = kvs.reshape(kvs.shape[0], -1, page_size, *kvs.shape[2:])  # (layers, pages, page size, KVH, 2, D)
-    _layers(x, positions, slots, tables, *blocks, plan.buffer, plan.panels, plan.table, plan.attn_norm,
+    _layers(plan.mask, x, positions, slots, tables, *blocks, plan.buffer, plan.panels, plan.table, plan.attn_norm,
             plan.ffn_norm, plan.bq, plan.bk, plan.bv, plan.q_norm, plan.k_norm, plan.post_attn, plan.post_ffn,
             plan.lcfg, plan.act, kvs, cos, sin, cfg.rope_neox, plan.eps, plan.scale, cfg.n_head, *forms,
             threads)
@@ -72,13 +73,14 @@ _PHASES = 10  # the work phases of a layer (`_worker`)
 
 
 @njit(parallel=True, cache=True)
-def _layers(x, positions, slots, tables, blk_seq, blk_row, blk_pos, blk_len, buffer, panels, table, attn_norm,
+def _layers(mask, x, positions, slots, tables, blk_seq, blk_row, blk_pos, blk_len, buffer, panels, table, attn_norm,
             ffn_norm, bq, bk, bv, q_norm, k_norm, post_attn, post_ffn, lcfg, act, kvs, cos, sin, neox, eps, scale,
             H, xe, xa, xf, nt):
     """Every layer of block.run_layers with PanelOps' kernels (the module's docstring), in one
     parallel region of `nt` threads: each runs `_worker`, taking the items of each phase.
     kvs: (layers, pages, page size, KVH, 2, D); xe, xa, xf: room for the activation forms
-    (panels.empty_rows) of T rows of n_embd, H * D and n_ff values."""
+    (panels.empty_rows) of T rows of n_embd, H * D and n_ff values; mask: the types whose
+    code the panel kernels hold (DecodePlan.mask)."""
     T, n_embd = x.shape
     n_layer = attn_norm.shape[0]
     KVH, D = kvs.shape[3], kvs.shape[5]
@@ -99,13 +101,13 @@ def _layers(x, positions, slots, tables, blk_seq, blk_row, blk_pos, blk_len, buf
         ctr[i] = 0
     for t in prange(nt):
         home = np.int64(t)  # prange's index is unsigned in the parallel region: one signature of _worker
-        _worker(home, nt, ctr, x, positions, slots, tables, blk_seq, blk_row, blk_pos, blk_len, buffer, panels,
+        _worker(mask, home, nt, ctr, x, positions, slots, tables, blk_seq, blk_row, blk_pos, blk_len, buffer, panels,
                 table, attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm, post_attn, post_ffn, lcfg, act, kvs, cos,
                 sin, neox, eps, scale, xe, xa, xf, h, q, k, v, qn, kn, a, o, f, d)
 
 
 @njit(cache=True)
-def _worker(home, nt, ctr, x, positions, slots, tables, blk_seq, blk_row, blk_pos, blk_len, buffer, panels, table,
+def _worker(mask, home, nt, ctr, x, positions, slots, tables, blk_seq, blk_row, blk_pos, blk_len, buffer, panels, table,
             attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm, post_attn, post_ffn, lcfg, act, kvs, cos, sin, neox,
             eps, scale, xe, xa, xf, h, q, k, v, qn, kn, a, o, f, d):
     """One thread's part of `_layers`. A layer is ten phases, each a list of items that the
@@ -139,7 +141,8 @@ def _worker(home, nt, ctr, x, positions, slots, tables, blk_seq, blk_row, blk_po
         if last:
             break
         e = table[li]
-        _panel_phase(ctr, at + step, home, nt, buffer, panels, e, i64(0), i64(3), xe, q, k, v, tmp, tmp2, wb, act)
+        _panel_phase(mask, ctr, at + step, home, nt, buffer, panels, e, i64(0), i64(3), xe, q, k, v, tmp, tmp2, wb,
+                     act)
         qr, kr = (qn, kn) if q_norm.shape[1] else (q3, k3)
         _token_qkv(ctr, at + 2 * step, home, nt, li, q3, k3, v3, qr, kr, bq, bk, bv, q_norm, k_norm, lcfg, positions,
                    cos, sin, neox, eps, kvs[li].reshape(n_rec, KVH, 2, D), slots)
@@ -154,11 +157,14 @@ def _worker(home, nt, ctr, x, positions, slots, tables, blk_seq, blk_row, blk_po
         _finish(ctr, at + 3 * step, nt, done)
         _wait(ctr, at + 3 * step, nt, n)
         _quantize_phase(ctr, at + 4 * step, home, nt, a.reshape(T, H * D), xa)
-        _panel_phase(ctr, at + 5 * step, home, nt, buffer, panels, e, i64(3), i64(4), xa, o, o, o, tmp, tmp2, wb, act)
+        _panel_phase(mask, ctr, at + 5 * step, home, nt, buffer, panels, e, i64(3), i64(4), xa, o, o, o, tmp, tmp2,
+                     wb, act)
         _token_rows(ctr, at + 6 * step, home, nt, x, o, post_attn, li, True, ffn_norm[li], True, eps, h, xe)
-        _panel_phase(ctr, at + 7 * step, home, nt, buffer, panels, e, i64(4), i64(5), xe, f, f, f, tmp, tmp2, wb, act)
+        _panel_phase(mask, ctr, at + 7 * step, home, nt, buffer, panels, e, i64(4), i64(5), xe, f, f, f, tmp, tmp2,
+                     wb, act)
         _quantize_phase(ctr, at + 8 * step, home, nt, f, xf)
-        _panel_phase(ctr, at + 9 * step, home, nt, buffer, panels, e, i64(6), i64(7), xf, d, d, d, tmp, tmp2, wb, act)
+        _panel_phase(mask, ctr, at + 9 * step, home, nt, buffer, panels, e, i64(6), i64(7), xf, d, d, d, tmp, tmp2,
+                     wb, act)
 
 
 @njit(cache=True)
@@ -235,7 +241,7 @@ def _token_qkv(ctr, slot, home, nt, li, q, k, v, qr, kr, bq, bk, bv, q_norm, k_n
 
 
 @njit(cache=True)
-def _panel_phase(ctr, slot, home, nt, buffer, panels, e, s0, s1, xr, out0, out1, out2, tmp, tmp2, wb, act):
+def _panel_phase(mask, ctr, slot, home, nt, buffer, panels, e, s0, s1, xr, out0, out1, out2, tmp, tmp2, wb, act):
     """The panels of products s0..s1-1 of a layer's table entries e (q, k and v: 0..2, into
     out0, out1, out2; o: 3; down: 6) as items, or (s0 == 4) the gate panels with their up
     panels, into out0 = act(gate) * up as `_gate_up_panels`."""
@@ -253,7 +259,7 @@ def _panel_phase(ctr, slot, home, nt, buffer, panels, e, s0, s1, xr, out0, out1,
             j += 1
         out = out0 if j == s0 else (out1 if j == s0 + 1 else out2)
         for s in range(2 if s0 == 4 else 1):  # the gate's panel, then the up's; one call site: it is inlined
-            _panel_rows(e[j + s, 0], _weight(buffer, panels, e[j + s]), p, xr, tmp if s == 0 else tmp2, wb)
+            _panel_rows(mask, e[j + s, 0], _weight(buffer, panels, e[j + s]), p, xr, tmp if s == 0 else tmp2, wb)
         if s0 == 4:
             _glu_store(tmp, tmp2, out, p, act)
         else:

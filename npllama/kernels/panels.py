@@ -93,11 +93,14 @@ Njit level (C-contiguous arrays, nothing raises):
   ``_quantize_parallel(x, xr)`` the same, the rows shared among the threads.
 * ``xr``, the activation rows as the products take them: ``(xq, xd, xs, xi)``, int8 (xq (T,
   n), xi (T, n // 16)) or int24 (xq (T, 3, n), xi (T, 3, n // 16): the planes).
-* ``_panel_rows(code, pw, p, xr, tmp, wb)``: tmp[t, :] = the 16 products of panel p with every
-  activation row t (tmp: (T, 16) float32; wb: uint8 scratch of ``weight_bytes(T, n)``), by
-  the micro-kernel ``_panel_dots_one`` (one row) or ``_panel_dots_many`` (``_panel_dots``,
-  after AMX's tiles where the CPU has them).
-* ``_matmul_panels``, ``_qkv_panels``, ``_gate_up_panels``: the products, parallel over panels.
+* ``_panel_rows(mask, code, pw, p, xr, tmp, wb)``: tmp[t, :] = the 16 products of panel p with
+  every activation row t (tmp: (T, 16) float32; wb: uint8 scratch of ``weight_bytes(T, n)``),
+  by the micro-kernel ``_panel_dots_one`` (one row) or ``_panel_dots_many`` (``_panel_dots``,
+  after AMX's tiles where the CPU has them). ``mask`` (a qtypes.TypeMask, which Numba types
+  as its literal value) names the types whose code the micro-kernels hold (quants.py's
+  docstring); a code outside it gives NaN.
+* ``_matmul_panels``, ``_qkv_panels``, ``_gate_up_panels`` (mask first): the products,
+  parallel over panels.
 
 Python level: ``has_panels(qtype)``, ``panel_shape(qtype, rows, cols)``, ``pack_panels(data,
 qtype, out=None)``, ``quantize_rows(x)``, ``quantize_rows_i24(x)``, ``activation_rows(x, int8)``
@@ -114,8 +117,9 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .nn import _glu1
+from .qtypes import type_mask
 from .quants import (_F32T, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q4_K, _Q5_0, _Q5_1, _Q5_K, _Q6_K, _Q8_0, _const_vec,
-                     _ir_call, _ir_load, _ir_prefetch, _ir_splat, _is_c_array, _shuffle, _vec)
+                     _ir_call, _ir_load, _ir_prefetch, _ir_splat, _is_c_array, _mask_codes, _shuffle, _vec)
 from . import aligned
 from .aligned import _empty
 from .cpu import AMX
@@ -611,24 +615,25 @@ def _ir_finish(builder, kind, arrays, P, r, b, sums, dw, mw, acc):
 
 
 def _panel_arrays(context, builder, sig, args):
-    """The kernels' arguments (code, panel, xr, tmp) as (code, P, T, arrays): P the planes (1
-    int8, 3 int24), T the activation rows, arrays (panel, xq, xd, xs, xi, tmp pointers, n, the
-    panel's bytes)."""
-    code = context.cast(builder, args[0], sig.args[0], types.intp)
-    xr = cgutils.unpack_tuple(builder, args[2])
-    arrs = ([context.make_array(sig.args[1])(context, builder, args[1])]
-            + [context.make_array(ty)(context, builder, a) for ty, a in zip(sig.args[2], xr)]
-            + [context.make_array(sig.args[3])(context, builder, args[3])])
-    nd = sig.args[2][0].ndim
+    """The kernels' arguments (mask, code, panel, xr, tmp) as (code, P, T, arrays): P the
+    planes (1 int8, 3 int24), T the activation rows, arrays (panel, xq, xd, xs, xi, tmp
+    pointers, n, the panel's bytes)."""
+    code = context.cast(builder, args[1], sig.args[1], types.intp)
+    xr = cgutils.unpack_tuple(builder, args[3])
+    arrs = ([context.make_array(sig.args[2])(context, builder, args[2])]
+            + [context.make_array(ty)(context, builder, a) for ty, a in zip(sig.args[3], xr)]
+            + [context.make_array(sig.args[4])(context, builder, args[4])])
+    nd = sig.args[3][0].ndim
     n = builder.extract_value(arrs[1].shape, nd - 1)
     arrays = [a.data for a in arrs] + [n, builder.extract_value(arrs[0].shape, 0)]
     return code, (1 if nd == 2 else 3), builder.extract_value(arrs[1].shape, 0), arrays
 
 
-def _panel_args(code, panel, xr, tmp) -> bool:
-    """Whether a micro-kernel takes these types: an integer code, a C-contiguous uint8 panel,
-    the activation rows xr (xq, xd, xs, xi) in int8 (xq and xi 2-D) or int24 blocks (3-D: the
-    planes), and tmp (T, 16) float32."""
+def _panel_args(mask, code, panel, xr, tmp) -> bool:
+    """Whether a micro-kernel takes these types: a type mask (a literal; TypingError for any
+    other), an integer code, a C-contiguous uint8 panel, the activation rows xr (xq, xd, xs,
+    xi) in int8 (xq and xi 2-D) or int24 blocks (3-D: the planes), and tmp (T, 16) float32."""
+    _mask_codes(mask)
     if not (isinstance(xr, types.BaseTuple) and len(xr) == 4 and isinstance(xr[0], types.Array)):
         return False
     nd = xr[0].ndim
@@ -638,11 +643,32 @@ def _panel_args(code, panel, xr, tmp) -> bool:
             and _is_c_array(tmp, types.float32, 2))
 
 
+def _ir_by_type(builder, mask, code, emit, tmp, rows):
+    """emit(kind) in a branch taken where `code` is its type, for each type of `mask` (the
+    kernel's mask argument's literal type) that has panels: only those types' code is made.
+    Where `code` is none of them, the first `rows` rows of tmp (float32 (T, 16); rows: an IR
+    value) are NaN: no caller passes such a code, each computing its mask from its weights."""
+    on = _mask_codes(mask)
+    matched = ir.Constant(ir.IntType(1), 0)
+    for qt, kind in _CODES.items():
+        if qt in on:
+            hit = builder.icmp_signed("==", code, ir.Constant(code.type, qt))
+            matched = builder.or_(matched, hit)
+            with builder.if_then(hit):
+                emit(kind)
+    with builder.if_then(builder.not_(matched), likely=False):
+        with cgutils.for_range(builder, rows) as loop:
+            at = builder.mul(loop.index, ir.Constant(loop.index.type, PANEL))
+            builder.store(ir.Constant(_V16F, [math.nan] * 16),
+                          builder.bitcast(builder.gep(tmp, [at]), _V16F.as_pointer()), align=4)
+
+
 def _make_panel_dots(isa: str, one_row: bool = False):
-    """The micro-kernels for `isa` (see quants_int8._dot_isa), an intrinsic ``panel_dots(code,
-    panel, xr, tmp)``: tmp[t, i] = dot(row i of the panel, x_t) for every activation row t
-    (tmp: (T, 16) float32) of a weight of type `code` (one with panels), xr the activation
-    rows in int8 or int24 blocks (4 arrays, the module's docstring). With `one_row`, for
+    """The micro-kernels for `isa` (see quants_int8._dot_isa), an intrinsic ``panel_dots(mask,
+    code, panel, xr, tmp)``: tmp[t, i] = dot(row i of the panel, x_t) for every activation row
+    t (tmp: (T, 16) float32) of a weight of type `code` (one with panels), xr the activation
+    rows in int8 or int24 blocks (4 arrays, the module's docstring); the code of the types of
+    `mask` (a TypeMask) only (`_ir_by_type`: NaN for another code). With `one_row`, for
     one activation row (the decode step's): tiles of one row, which prefetch the next panel
     (the module's docstring)."""
 
@@ -709,21 +735,22 @@ def _make_panel_dots(isa: str, one_row: bool = False):
     def codegen(context, builder, sig, args):
         code, P, T, arrays = _panel_arrays(context, builder, sig, args)
         c = lambda v: ir.Constant(T.type, v)  # noqa: E731
-        for qt, kind in _CODES.items():
-            with builder.if_then(builder.icmp_signed("==", code, ir.Constant(code.type, qt))):
-                done = c(0)
-                for tt in ((1,) if one_row else _TT):  # tiles of tt rows while tt rows are left
-                    count = builder.sdiv(builder.sub(T, done), c(tt))
-                    with cgutils.for_range(builder, count) as loop:
-                        tile(builder, kind, arrays, builder.add(done, builder.mul(loop.index, c(tt))), tt, P)
-                    done = builder.add(done, builder.mul(count, c(tt)))
+
+        def emit(kind):
+            done = c(0)
+            for tt in ((1,) if one_row else _TT):  # tiles of tt rows while tt rows are left
+                count = builder.sdiv(builder.sub(T, done), c(tt))
+                with cgutils.for_range(builder, count) as loop:
+                    tile(builder, kind, arrays, builder.add(done, builder.mul(loop.index, c(tt))), tt, P)
+                done = builder.add(done, builder.mul(count, c(tt)))
+        _ir_by_type(builder, sig.args[0], code, emit, arrays[5], T)
         return context.get_dummy_value()
 
-    @intrinsic
-    def panel_dots(typingctx, code, panel, xr, tmp):
-        if not _panel_args(code, panel, xr, tmp):
+    @intrinsic(prefer_literal=True)
+    def panel_dots(typingctx, mask, code, panel, xr, tmp):
+        if not _panel_args(mask, code, panel, xr, tmp):
             return None
-        return types.none(code, panel, xr, tmp), codegen
+        return types.none(mask, code, panel, xr, tmp), codegen
 
     return panel_dots
 
@@ -747,7 +774,7 @@ def _ir_tile(builder, name, *args):
 
 
 def _make_panel_dots_amx():
-    """The micro-kernel for AMX-INT8, an intrinsic ``panel_dots(code, panel, xr, tmp, wb)`` of
+    """The micro-kernel for AMX-INT8, an intrinsic ``panel_dots(mask, code, panel, xr, tmp, wb)`` of
     `_make_panel_dots`' form that computes the tiles of 16 activation rows, rows 0 to 16 (T //
     16) - 1, and leaves the rest; wb: room for the panel's weights as bytes (uint8, 16 n).
 
@@ -857,18 +884,17 @@ def _make_panel_dots_amx():
         _ir_tile(builder, "tilerelease")
 
     def codegen(context, builder, sig, args):
-        code, P, T, arrays = _panel_arrays(context, builder, sig, args[:4])
-        wb = context.make_array(sig.args[4])(context, builder, args[4]).data
-        for qt, kind in _CODES.items():
-            with builder.if_then(builder.icmp_signed("==", code, ir.Constant(code.type, qt))):
-                tiles(builder, kind, arrays, P, T, wb)
+        code, P, T, arrays = _panel_arrays(context, builder, sig, args[:5])
+        wb = context.make_array(sig.args[5])(context, builder, args[5]).data
+        _ir_by_type(builder, sig.args[0], code, lambda kind: tiles(builder, kind, arrays, P, T, wb), arrays[5],
+                    builder.mul(builder.sdiv(T, ir.Constant(T.type, 16)), ir.Constant(T.type, 16)))
         return context.get_dummy_value()
 
-    @intrinsic
-    def panel_dots(typingctx, code, panel, xr, tmp, wb):
-        if not (_panel_args(code, panel, xr, tmp) and _is_c_array(wb, types.uint8)):
+    @intrinsic(prefer_literal=True)
+    def panel_dots(typingctx, mask, code, panel, xr, tmp, wb):
+        if not (_panel_args(mask, code, panel, xr, tmp) and _is_c_array(wb, types.uint8)):
             return None
-        return types.none(code, panel, xr, tmp, wb), codegen
+        return types.none(mask, code, panel, xr, tmp, wb), codegen
 
     return panel_dots
 
@@ -887,20 +913,20 @@ if AMX:
     _panel_dots_amx = _make_panel_dots_amx()
 
     @njit(cache=True, inline="always")
-    def _panel_dots_many(code, panel, xr, tmp, wb):
+    def _panel_dots_many(mask, code, panel, xr, tmp, wb):
         """`_panel_dots`, with the tiles of 16 activation rows by AMX when there are at least
         `_AMX_ROWS` (wb: `weight_bytes` bytes)."""
         T = tmp.shape[0]
         done = T // 16 * 16 if T >= _AMX_ROWS else 0
         if done:
-            _panel_dots_amx(code, panel, xr, tmp, wb)
+            _panel_dots_amx(mask, code, panel, xr, tmp, wb)
         if done < T:  # one call site: the kernel's code is large
-            _panel_dots(code, panel, (xr[0][done:], xr[1][done:], xr[2][done:], xr[3][done:]), tmp[done:])
+            _panel_dots(mask, code, panel, (xr[0][done:], xr[1][done:], xr[2][done:], xr[3][done:]), tmp[done:])
 else:
     @njit(cache=True, inline="always")
-    def _panel_dots_many(code, panel, xr, tmp, wb):
+    def _panel_dots_many(mask, code, panel, xr, tmp, wb):
         """`_panel_dots` (wb unused: there are no AMX tiles)."""
-        _panel_dots(code, panel, xr, tmp)
+        _panel_dots(mask, code, panel, xr, tmp)
 
 
 @njit(cache=True)
@@ -913,16 +939,16 @@ def weight_bytes(T, n):
 
 
 @njit(cache=True, inline="always")
-def _panel_rows(code, pw, p, xr, tmp, wb):
+def _panel_rows(mask, code, pw, p, xr, tmp, wb):
     """tmp[t, i] = dot(row 16 p + i of the weight whose panels are `pw`, x_t) for every
     activation row t of xr (tmp: (T, 16) float32; wb: uint8, `weight_bytes` of xr's shape, or
-    of a wider one's). Inlined into its callers, one call site each (the kernels' code is
-    large): a 16-row decode pass makes ~10,000 calls, which cost 0.3-0.5 ms of its 6 ms of
-    products (inlined, the products took 0.93x the time)."""
+    of a wider one's), by the code of the types of `mask` only. Inlined into its callers, one
+    call site each (the kernels' code is large): a 16-row decode pass makes ~10,000 calls,
+    which cost 0.3-0.5 ms of its 6 ms of products (inlined, the products took 0.93x the time)."""
     if xr[0].shape[0] == 1:  # its own kernel (the module's docstring)
-        _panel_dots_one(code, pw[p], xr, tmp)
+        _panel_dots_one(mask, code, pw[p], xr, tmp)
     else:
-        _panel_dots_many(code, pw[p], xr, tmp, wb)
+        _panel_dots_many(mask, code, pw[p], xr, tmp, wb)
 
 
 @njit(cache=True)
@@ -951,18 +977,18 @@ def _glu_store(g, u, out, p, act):
 
 
 @njit(parallel=True, cache=True)
-def _matmul_panels(code, pw, rows, xr, out):
+def _matmul_panels(mask, code, pw, rows, xr, out):
     """out (T, rows) = x @ W.T for the panels `pw` of a weight of `rows` rows, parallel over panels."""
     for i in prange(pw.shape[0]):
         p = np.int64(i)  # prange's index is unsigned in the parallel region: one signature of the callees
         tmp = _empty((xr[0].shape[0], PANEL), np.float32)  # rows on cache lines
         wb = _empty((weight_bytes(xr[0].shape[0], xr[0].shape[-1]),), np.uint8)
-        _panel_rows(code, pw, p, xr, tmp, wb)
+        _panel_rows(mask, code, pw, p, xr, tmp, wb)
         _store(tmp, out, p, rows)
 
 
 @njit(parallel=True, cache=True)
-def _qkv_panels(cq, pq, ck, pk, cv, pv, xr, q, k, v):
+def _qkv_panels(mask, cq, pq, ck, pk, cv, pv, xr, q, k, v):
     """q, k, v = x @ Wq.T, x @ Wk.T, x @ Wv.T in one parallel region over all their panels."""
     nq, nk = pq.shape[0], pk.shape[0]
     for i in prange(nq + nk + pv.shape[0]):
@@ -975,12 +1001,12 @@ def _qkv_panels(cq, pq, ck, pk, cv, pv, xr, q, k, v):
             code, pw, out, p = ck, pk, k, c - nq
         else:
             code, pw, out, p = cv, pv, v, c - nq - nk
-        _panel_rows(code, pw, p, xr, tmp, wb)  # one call site: it is inlined
+        _panel_rows(mask, code, pw, p, xr, tmp, wb)  # one call site: it is inlined
         _store(tmp, out, p, out.shape[1])
 
 
 @njit(parallel=True, cache=True)
-def _gate_up_panels(cg, pg, cu, pu, xr, out, act):
+def _gate_up_panels(mask, cg, pg, cu, pu, xr, out, act):
     """out = act(x @ Wg.T) * (x @ Wu.T), the GLU fused per panel (act: a code of nn.ACTS)."""
     T, rows = out.shape
     for j in prange(pg.shape[0]):
@@ -989,7 +1015,7 @@ def _gate_up_panels(cg, pg, cu, pu, xr, out, act):
         u = _empty((T, PANEL), np.float32)
         wb = _empty((weight_bytes(xr[0].shape[0], xr[0].shape[-1]),), np.uint8)
         for s in range(2):  # one call site: it is inlined
-            _panel_rows(cg if s == 0 else cu, pg if s == 0 else pu, p, xr, g if s == 0 else u, wb)
+            _panel_rows(mask, cg if s == 0 else cu, pg if s == 0 else pu, p, xr, g if s == 0 else u, wb)
         _glu_store(g, u, out, p, act)
 
 
@@ -1011,5 +1037,5 @@ def matmul_panels(panels: np.ndarray, qtype, rows: int, x, *, int8: bool = True)
         raise ValueError(f"panels of shape {panels.shape} do not hold a {kind} weight of {rows} rows and "
                          f"{n} columns; make them with pack_panels")
     out = np.empty((T, rows), np.float32)
-    _matmul_panels(int(qtype), np.ascontiguousarray(panels), rows, xr, out)
+    _matmul_panels(type_mask([qtype]), int(qtype), np.ascontiguousarray(panels), rows, xr, out)
     return out

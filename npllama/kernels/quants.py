@@ -11,20 +11,24 @@ Public API (Python level, validates its inputs):
 * ``row_elems``, ``row_bytes``, ``SUPPORTED_TYPES``.
 
 Njit level, for fused kernels (C-contiguous arrays and scalars only; they never raise;
-``code`` is ``int(qtype)``):
+``code`` is ``int(qtype)``; ``mask`` a ``qtypes.TypeMask``, which Numba types as its literal
+value: the kernels that branch on the type compile one version per mask, holding only the
+code of its types, and give NaN for a code outside it, which no caller passes: each computes
+its mask from the types it reads, ``qtypes.type_mask``):
 
-* ``_deq_row(code, src, dst)`` and ``_deq_row_<type>(src, dst)``: dequantize one row
+* ``_deq_row(mask, code, src, dst)`` and ``_deq_row_<type>(src, dst)``: dequantize one row
   (``src`` uint8, ``dst`` float32).
-* ``_dequantize_rows(code, src2d, dst2d)``: row-parallel dequantization.
-* ``_rows_f32(code, data, r0, r1, x, xsum, row, out)``: ``out[r] = dot(row r of data,
+* ``_dequantize_rows(mask, code, src2d, dst2d)``: row-parallel dequantization.
+* ``_rows_f32(mask, code, data, r0, r1, x, xsum, row, out)``: ``out[r] = dot(row r of data,
   x)`` for rows r0..r1-1 on the calling thread (the fused decode step's work items), with
   ``_block_sums(x, xsum)`` computed once per x; built on the single-row dots
   ``_dot_row_<type>(row, x, xsum, nb)`` for Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and Q2_K..Q6_K
   (nb: blocks of the type, 32 or 256 elements; xsum is read by the types with minima), the
   float types dequantizing each row into the caller's float32 ``row`` (at least as long as x) first.
-* ``_has_dot(code)``, ``_dot_row(code, row, x, xsum)``: whether a type has a direct dot, and
-  that dot for one row (the prefill row kernels' few-rows path).
-* ``_matvec(code, data, x, out)``: the same product for all rows, row-parallel.
+* ``_has_dot(code)``, ``_dot_row(mask, code, row, x, xsum)``: whether a type has a direct
+  dot, and that dot for one row (the prefill row kernels' few-rows path).
+* ``_matvec(mask, code, data, x, out)``: the same product for all rows, row-parallel.
+* ``_deq_row_vec(mask, code, src, dst)``: ``_deq_row``'s values by vector code (rows.py).
 * ``_prefetch_ahead(data, r)``: the row loops' software prefetch of the weight bytes a
   little past row r (``_prefetch(data, i)`` beneath: a hint, valid past the end);
   ``_touch_lines(a)``: a load of every cache line of a contiguous view (paged attention's
@@ -47,10 +51,10 @@ import llvmlite.binding as llvm
 import numpy as np
 from llvmlite import ir
 from numba import config as numba_config, njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.core import cgutils, errors
+from numba.extending import intrinsic, overload, typeof_impl
 
-from .qtypes import BLOCK_SIZES, QT, type_name
+from .qtypes import BLOCK_SIZES, QT, TypeMask, type_mask, type_name
 from .threads import single_threaded_blas
 
 # Product kernels may reassociate and contract, but must keep inf/nan semantics.
@@ -70,6 +74,45 @@ _Q3_K = int(QT.Q3_K)
 _Q4_K = int(QT.Q4_K)
 _Q5_K = int(QT.Q5_K)
 _Q6_K = int(QT.Q6_K)
+
+
+# ---------------------------------------------------------------------------------------
+# Type masks (qtypes.TypeMask): the types whose code a kernel holds
+# ---------------------------------------------------------------------------------------
+
+_MASK_TYPES: dict[int, types.IntegerLiteral] = {}
+
+
+@typeof_impl.register(TypeMask)
+def _typeof_type_mask(val, c):
+    """A TypeMask's Numba type: its literal value, so that a kernel called with it compiles (and
+    caches) a version for that mask, which the overloads and intrinsics below specialize. (A
+    plain int made literal by numba.literally in the kernel types the kernel again at every
+    call from Python, ~5 ms; a TypeMask costs a call ~2 us.) The type is made once a value:
+    made anew, a call took ~8 us."""
+    t = _MASK_TYPES.get(val)
+    if t is None:
+        t = _MASK_TYPES[int(val)] = types.literal(int(val))
+    return t
+
+
+def _mask_codes(mask) -> frozenset[int]:
+    """The type codes of a kernel's type mask, from its Numba type (a literal: a TypeMask's).
+    Any other mask (an int64: a plain int) is refused: its kernel would not know which types'
+    code to leave out."""
+    if not isinstance(mask, types.IntegerLiteral):
+        raise errors.TypingError(f"a kernel's type mask must be a qtypes.TypeMask (a literal), got {mask}")
+    return frozenset(int(t) for t in QT if mask.literal_value >> int(t) & 1)
+
+
+def _type_flags(mask) -> tuple[bool, ...]:
+    """Whether the kernel's type mask takes each type: (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
+    Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K). The overloads below test these flags, closure
+    constants, before each type's code: Numba prunes the branches of a false one before it types
+    them, so a type outside the mask is neither typed nor compiled."""
+    on = _mask_codes(mask)
+    return tuple(t in on for t in (_F32, _F16, _BF16, _Q8_0, _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q2_K, _Q3_K, _Q4_K, _Q5_K,
+                                   _Q6_K))
 
 
 # ---------------------------------------------------------------------------------------
@@ -494,42 +537,59 @@ def _deq_row_q6_k(src, dst):
                 dst[y + s * 16 + i] = dl * np.float32((lo | (hi << 4)) - 32)
 
 
+def _deq_row_of(mask, code, src, dst):
+    """`_deq_row`'s branches, those of the types of `mask` (the overload below)."""
+
+
+@overload(_deq_row_of, prefer_literal=True, jit_options={"fastmath": False})
+def _deq_row_of_jit(mask, code, src, dst):
+    f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k = _type_flags(mask)
+
+    def impl(mask, code, src, dst):
+        if q4_1 and code == _Q4_1:
+            _deq_row_q4_1(src, dst)
+        elif q8_0 and code == _Q8_0:
+            _deq_row_q8_0(src, dst)
+        elif q4_0 and code == _Q4_0:
+            _deq_row_q4_0(src, dst)
+        elif f32 and code == _F32:
+            _deq_row_f32(src, dst)
+        elif f16 and code == _F16:
+            _deq_row_f16(src, dst)
+        elif bf16 and code == _BF16:
+            _deq_row_bf16(src, dst)
+        elif q5_0 and code == _Q5_0:
+            _deq_row_q5_0(src, dst)
+        elif q5_1 and code == _Q5_1:
+            _deq_row_q5_1(src, dst)
+        elif q2_k and code == _Q2_K:
+            _deq_row_q2_k(src, dst)
+        elif q3_k and code == _Q3_K:
+            _deq_row_q3_k(src, dst)
+        elif q4_k and code == _Q4_K:
+            _deq_row_q4_k(src, dst)
+        elif q5_k and code == _Q5_K:
+            _deq_row_q5_k(src, dst)
+        elif q6_k and code == _Q6_K:
+            _deq_row_q6_k(src, dst)
+        else:
+            dst[:] = np.nan
+
+    return impl
+
+
 @njit(cache=True, fastmath=False)
-def _deq_row(code, src, dst):
-    """Dequantize one row of type ``code`` (= int(GGMLQuantizationType)); unknown codes are a no-op."""
-    if code == _Q4_1:
-        _deq_row_q4_1(src, dst)
-    elif code == _Q8_0:
-        _deq_row_q8_0(src, dst)
-    elif code == _Q4_0:
-        _deq_row_q4_0(src, dst)
-    elif code == _F32:
-        _deq_row_f32(src, dst)
-    elif code == _F16:
-        _deq_row_f16(src, dst)
-    elif code == _BF16:
-        _deq_row_bf16(src, dst)
-    elif code == _Q5_0:
-        _deq_row_q5_0(src, dst)
-    elif code == _Q5_1:
-        _deq_row_q5_1(src, dst)
-    elif code == _Q2_K:
-        _deq_row_q2_k(src, dst)
-    elif code == _Q3_K:
-        _deq_row_q3_k(src, dst)
-    elif code == _Q4_K:
-        _deq_row_q4_k(src, dst)
-    elif code == _Q5_K:
-        _deq_row_q5_k(src, dst)
-    elif code == _Q6_K:
-        _deq_row_q6_k(src, dst)
+def _deq_row(mask, code, src, dst):
+    """Dequantize one row of type ``code`` (= int(GGMLQuantizationType)), one of the types of
+    ``mask`` (a TypeMask: only their code is compiled); any other code fills dst with NaN."""
+    _deq_row_of(mask, code, src, dst)
 
 
 @njit(parallel=True, cache=True, fastmath=False)
-def _dequantize_rows(code, src, dst):
-    """Row-parallel dequantization of uint8 rows ``src`` into float32 rows ``dst``."""
+def _dequantize_rows(mask, code, src, dst):
+    """Row-parallel dequantization of uint8 rows ``src`` into float32 rows ``dst`` (``_deq_row``)."""
     for r in prange(src.shape[0]):
-        _deq_row(code, src[r], dst[r])
+        _deq_row(mask, code, src[r], dst[r])
 
 
 # ---------------------------------------------------------------------------------------
@@ -981,30 +1041,45 @@ _deq_vec_q5_k = _make_deq("_deq_vec_q5_k", _deq_k_4_5(True), 256)
 _deq_vec_q6_k = _make_deq("_deq_vec_q6_k", _deq_q6_k, 256)
 
 
+def _deq_row_vec_of(mask, code, src, dst):
+    """`_deq_row_vec`'s branches, those of the types of `mask` (the overload below)."""
+
+
+@overload(_deq_row_vec_of, prefer_literal=True, jit_options={"fastmath": False})
+def _deq_row_vec_of_jit(mask, code, src, dst):
+    _, _, _, q8_0, q4_0, q4_1, q5_0, q5_1, _, _, q4_k, q5_k, q6_k = _type_flags(mask)
+
+    def impl(mask, code, src, dst):
+        if q4_1 and code == _Q4_1:
+            _deq_vec_q4_1(src, dst)
+        elif q8_0 and code == _Q8_0:
+            _deq_vec_q8_0(src, dst)
+        elif q4_0 and code == _Q4_0:
+            _deq_vec_q4_0(src, dst)
+        elif q5_0 and code == _Q5_0:
+            _deq_vec_q5_0(src, dst)
+        elif q5_1 and code == _Q5_1:
+            _deq_vec_q5_1(src, dst)
+        elif q4_k and code == _Q4_K:
+            _deq_vec_q4_k(src, dst)
+        elif q5_k and code == _Q5_K:
+            _deq_vec_q5_k(src, dst)
+        elif q6_k and code == _Q6_K:
+            _deq_vec_q6_k(src, dst)
+        else:
+            _deq_row(mask, code, src, dst)
+
+    return impl
+
+
 @njit(cache=True, fastmath=False)
-def _deq_row_vec(code, src, dst):
+def _deq_row_vec(mask, code, src, dst):
     """Dequantize one row as `_deq_row` does, bit for bit, by the vector code above for Q8_0,
-    Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (src, dst: C-contiguous), else by _deq_row.
-    Without fast-math flags of its own, it would take its first caller's (the row kernels'),
-    which would fuse d q + m into one rounding."""
-    if code == _Q4_1:
-        _deq_vec_q4_1(src, dst)
-    elif code == _Q8_0:
-        _deq_vec_q8_0(src, dst)
-    elif code == _Q4_0:
-        _deq_vec_q4_0(src, dst)
-    elif code == _Q5_0:
-        _deq_vec_q5_0(src, dst)
-    elif code == _Q5_1:
-        _deq_vec_q5_1(src, dst)
-    elif code == _Q4_K:
-        _deq_vec_q4_k(src, dst)
-    elif code == _Q5_K:
-        _deq_vec_q5_k(src, dst)
-    elif code == _Q6_K:
-        _deq_vec_q6_k(src, dst)
-    else:
-        _deq_row(code, src, dst)
+    Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K (src, dst: C-contiguous), else by _deq_row;
+    the code of the types of ``mask`` only (`_deq_row`'s NaN for others). Without fast-math
+    flags of its own, it would take its first caller's (the row kernels'), which would fuse
+    d q + m into one rounding."""
+    _deq_row_vec_of(mask, code, src, dst)
 
 
 def _ir_prefetch(builder, ptr):
@@ -1084,89 +1159,122 @@ def _has_dot(code):
             or code == _Q5_K or code == _Q6_K or code == _Q3_K or code == _Q2_K)
 
 
+def _dot_row_of(mask, code, row, x, xsum):
+    """`_dot_row`'s branches, those of the types of `mask` (the overload below)."""
+
+
+@overload(_dot_row_of, prefer_literal=True)
+def _dot_row_of_jit(mask, code, row, x, xsum):
+    _, _, _, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k = _type_flags(mask)
+
+    def impl(mask, code, row, x, xsum):
+        n = x.shape[0]
+        if q4_1 and code == _Q4_1:
+            return _dot_row_q4_1(row, x, xsum, n // 32)
+        elif q8_0 and code == _Q8_0:
+            return _dot_row_q8_0(row, x, xsum, n // 32)
+        elif q4_0 and code == _Q4_0:
+            return _dot_row_q4_0(row, x, xsum, n // 32)
+        elif q5_0 and code == _Q5_0:
+            return _dot_row_q5_0(row, x, xsum, n // 32)
+        elif q4_k and code == _Q4_K:
+            return _dot_row_q4_k(row, x, xsum, n // 256)
+        elif q6_k and code == _Q6_K:
+            return _dot_row_q6_k(row, x, xsum, n // 256)
+        elif q5_k and code == _Q5_K:
+            return _dot_row_q5_k(row, x, xsum, n // 256)
+        elif q5_1 and code == _Q5_1:
+            return _dot_row_q5_1(row, x, xsum, n // 32)
+        elif q3_k and code == _Q3_K:
+            return _dot_row_q3_k(row, x, xsum, n // 256)
+        elif q2_k and code == _Q2_K:
+            return _dot_row_q2_k(row, x, xsum, n // 256)
+        return np.float32(np.nan)
+
+    return impl
+
+
 @njit(cache=True)
-def _dot_row(code, row, x, xsum):
-    """dot(row, x) by the direct dot of type ``code`` (one of ``_has_dot``; else 0): ``row`` one
-    uint8 weight row of n = x.shape[0] elements, ``xsum`` the block sums of x (``_block_sums``)."""
-    n = x.shape[0]
-    if code == _Q4_1:
-        return _dot_row_q4_1(row, x, xsum, n // 32)
-    elif code == _Q8_0:
-        return _dot_row_q8_0(row, x, xsum, n // 32)
-    elif code == _Q4_0:
-        return _dot_row_q4_0(row, x, xsum, n // 32)
-    elif code == _Q5_0:
-        return _dot_row_q5_0(row, x, xsum, n // 32)
-    elif code == _Q4_K:
-        return _dot_row_q4_k(row, x, xsum, n // 256)
-    elif code == _Q6_K:
-        return _dot_row_q6_k(row, x, xsum, n // 256)
-    elif code == _Q5_K:
-        return _dot_row_q5_k(row, x, xsum, n // 256)
-    elif code == _Q5_1:
-        return _dot_row_q5_1(row, x, xsum, n // 32)
-    elif code == _Q3_K:
-        return _dot_row_q3_k(row, x, xsum, n // 256)
-    elif code == _Q2_K:
-        return _dot_row_q2_k(row, x, xsum, n // 256)
-    return np.float32(0.0)
+def _dot_row(mask, code, row, x, xsum):
+    """dot(row, x) by the direct dot of type ``code`` (one of ``_has_dot``, and of ``mask``'s
+    types; else NaN): ``row`` one uint8 weight row of n = x.shape[0] elements, ``xsum`` the
+    block sums of x (``_block_sums``)."""
+    return _dot_row_of(mask, code, row, x, xsum)
+
+
+def _rows_f32_of(mask, code, data, r0, r1, x, xsum, row, out):
+    """`_rows_f32`'s branches, those of the types of `mask` (the overload below)."""
+
+
+@overload(_rows_f32_of, prefer_literal=True, jit_options={"fastmath": _FAST})
+def _rows_f32_of_jit(mask, code, data, r0, r1, x, xsum, row, out):
+    f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k = _type_flags(mask)
+    floats = f32 or f16 or bf16
+
+    def impl(mask, code, data, r0, r1, x, xsum, row, out):
+        nb = x.shape[0] // 32
+        if q4_1 and code == _Q4_1:  # one loop per type: the dispatch stays out of the row loop
+            for r in range(r0, r1):
+                _prefetch_ahead(data, r)
+                out[r] = _dot_row_q4_1(data[r], x, xsum, nb)
+        elif q8_0 and code == _Q8_0:
+            for r in range(r0, r1):
+                _prefetch_ahead(data, r)
+                out[r] = _dot_row_q8_0(data[r], x, xsum, nb)
+        elif q4_0 and code == _Q4_0:
+            for r in range(r0, r1):
+                _prefetch_ahead(data, r)
+                out[r] = _dot_row_q4_0(data[r], x, xsum, nb)
+        elif q5_0 and code == _Q5_0:
+            for r in range(r0, r1):
+                _prefetch_ahead(data, r)
+                out[r] = _dot_row_q5_0(data[r], x, xsum, nb)
+        elif q4_k and code == _Q4_K:
+            for r in range(r0, r1):
+                _prefetch_ahead(data, r)
+                out[r] = _dot_row_q4_k(data[r], x, xsum, nb // 8)
+        elif q6_k and code == _Q6_K:
+            for r in range(r0, r1):
+                _prefetch_ahead(data, r)
+                out[r] = _dot_row_q6_k(data[r], x, xsum, nb // 8)
+        elif q5_k and code == _Q5_K:
+            for r in range(r0, r1):
+                _prefetch_ahead(data, r)
+                out[r] = _dot_row_q5_k(data[r], x, xsum, nb // 8)
+        elif q5_1 and code == _Q5_1:
+            for r in range(r0, r1):
+                _prefetch_ahead(data, r)
+                out[r] = _dot_row_q5_1(data[r], x, xsum, nb)
+        elif q3_k and code == _Q3_K:
+            for r in range(r0, r1):
+                _prefetch_ahead(data, r)
+                out[r] = _dot_row_q3_k(data[r], x, xsum, nb // 8)
+        elif q2_k and code == _Q2_K:
+            for r in range(r0, r1):
+                _prefetch_ahead(data, r)
+                out[r] = _dot_row_q2_k(data[r], x, xsum, nb // 8)
+        elif floats and (code == _F32 or code == _F16 or code == _BF16):
+            row = row[:x.shape[0]]
+            for r in range(r0, r1):
+                _prefetch_ahead(data, r)
+                _deq_row(mask, code, data[r], row)
+                acc = np.float32(0.0)
+                for i in range(x.shape[0]):
+                    acc += row[i] * x[i]
+                out[r] = acc
+        else:
+            out[r0:r1] = np.nan
+
+    return impl
 
 
 @njit(cache=True, fastmath=_FAST)
-def _rows_f32(code, data, r0, r1, x, xsum, row, out):
-    """out[r] = dot(row r of ``data``, x) for r in r0..r1-1, on the calling thread. ``xsum``:
-    ``_block_sums(x)`` (read for Q4_1, Q5_1, Q4_K, Q5_K). Types without a direct dot dequantize
-    each row into ``row`` (float32, at least as long as x) first."""
-    nb = x.shape[0] // 32
-    if code == _Q4_1:  # one loop per type: the dispatch stays out of the row loop
-        for r in range(r0, r1):
-            _prefetch_ahead(data, r)
-            out[r] = _dot_row_q4_1(data[r], x, xsum, nb)
-    elif code == _Q8_0:
-        for r in range(r0, r1):
-            _prefetch_ahead(data, r)
-            out[r] = _dot_row_q8_0(data[r], x, xsum, nb)
-    elif code == _Q4_0:
-        for r in range(r0, r1):
-            _prefetch_ahead(data, r)
-            out[r] = _dot_row_q4_0(data[r], x, xsum, nb)
-    elif code == _Q5_0:
-        for r in range(r0, r1):
-            _prefetch_ahead(data, r)
-            out[r] = _dot_row_q5_0(data[r], x, xsum, nb)
-    elif code == _Q4_K:
-        for r in range(r0, r1):
-            _prefetch_ahead(data, r)
-            out[r] = _dot_row_q4_k(data[r], x, xsum, nb // 8)
-    elif code == _Q6_K:
-        for r in range(r0, r1):
-            _prefetch_ahead(data, r)
-            out[r] = _dot_row_q6_k(data[r], x, xsum, nb // 8)
-    elif code == _Q5_K:
-        for r in range(r0, r1):
-            _prefetch_ahead(data, r)
-            out[r] = _dot_row_q5_k(data[r], x, xsum, nb // 8)
-    elif code == _Q5_1:
-        for r in range(r0, r1):
-            _prefetch_ahead(data, r)
-            out[r] = _dot_row_q5_1(data[r], x, xsum, nb)
-    elif code == _Q3_K:
-        for r in range(r0, r1):
-            _prefetch_ahead(data, r)
-            out[r] = _dot_row_q3_k(data[r], x, xsum, nb // 8)
-    elif code == _Q2_K:
-        for r in range(r0, r1):
-            _prefetch_ahead(data, r)
-            out[r] = _dot_row_q2_k(data[r], x, xsum, nb // 8)
-    else:
-        row = row[:x.shape[0]]
-        for r in range(r0, r1):
-            _prefetch_ahead(data, r)
-            _deq_row(code, data[r], row)
-            acc = np.float32(0.0)
-            for i in range(x.shape[0]):
-                acc += row[i] * x[i]
-            out[r] = acc
+def _rows_f32(mask, code, data, r0, r1, x, xsum, row, out):
+    """out[r] = dot(row r of ``data``, x) for r in r0..r1-1, on the calling thread, by the code
+    of the types of ``mask`` (NaN for another ``code``). ``xsum``: ``_block_sums(x)`` (read
+    for Q4_1, Q5_1, Q4_K, Q5_K). Types without a direct dot (the floats) dequantize each row
+    into ``row`` (float32, at least as long as x) first."""
+    _rows_f32_of(mask, code, data, r0, r1, x, xsum, row, out)
 
 
 _MATVEC_ROWS = 16   # fewest rows per parallel task of a row-parallel product
@@ -1180,16 +1288,16 @@ def _task_rows(rows):
 
 
 @njit(parallel=True, cache=True)
-def _matvec(code, data, x, out):
-    """out[r] = dot(row r of the (rows, row_bytes) uint8 weight ``data``, x), for any type:
-    ``_rows_f32`` on tasks of rows in parallel."""
+def _matvec(mask, code, data, x, out):
+    """out[r] = dot(row r of the (rows, row_bytes) uint8 weight ``data``, x), for any type of
+    ``mask``: ``_rows_f32`` on tasks of rows in parallel."""
     rows = data.shape[0]
     xsum = np.empty(x.shape[0] // 32, np.float32)  # block sums of x, shared by all rows
     _block_sums(x, xsum)
     per = _task_rows(rows)
     for c in prange((rows + per - 1) // per):
         row = np.empty(x.shape[0], np.float32)  # read only by types without a direct row dot
-        _rows_f32(code, data, c * per, min(rows, (c + 1) * per), x, xsum, row, out)
+        _rows_f32(mask, code, data, c * per, min(rows, (c + 1) * per), x, xsum, row, out)
 
 
 # ---------------------------------------------------------------------------------------
@@ -1288,7 +1396,8 @@ def dequantize(data, qtype) -> np.ndarray:
     if out.size:
         # Work items of k whole blocks, so a few long rows still spread over all threads.
         k = math.gcd(arr.size // s.type_size, max(1, _DEQ_CHUNK_ELEMS // s.block_size))
-        _dequantize_rows(int(s.qtype), arr.reshape(-1, k * s.type_size), out.reshape(-1, k * s.block_size))
+        _dequantize_rows(type_mask([s.qtype]), int(s.qtype), arr.reshape(-1, k * s.type_size),
+                         out.reshape(-1, k * s.block_size))
     return out
 
 
@@ -1336,7 +1445,7 @@ def matmul(data, qtype, x, out=None) -> np.ndarray:
         return out
 
     if x.ndim == 1 or x.shape[0] == 1:
-        _matvec(int(s.qtype), w, x.reshape(n), out.reshape(rows))
+        _matvec(type_mask([s.qtype]), int(s.qtype), w, x.reshape(n), out.reshape(rows))
     else:
         with single_threaded_blas():
             if s.qtype == QT.F32:
@@ -1346,6 +1455,6 @@ def matmul(data, qtype, x, out=None) -> np.ndarray:
                 tile = np.empty((tile_rows, n), np.float32)
                 for r0 in range(0, rows, tile_rows):
                     t = tile[:min(tile_rows, rows - r0)]
-                    _dequantize_rows(int(s.qtype), w[r0:r0 + t.shape[0]], t)
+                    _dequantize_rows(type_mask([s.qtype]), int(s.qtype), w[r0:r0 + t.shape[0]], t)
                     np.matmul(x, t.T, out=out[:, r0:r0 + t.shape[0]])
     return out

@@ -27,7 +27,8 @@ result differs from the float32-activation product (``npllama.quants._matvec``) 
 quantization error of x: about 0.5% of the output norm for Gaussian activations, ~1% with
 a few large outlier features.
 
-Njit level (C-contiguous arrays; nothing raises; ``code`` is ``int(qtype)``):
+Njit level (C-contiguous arrays; nothing raises; ``code`` is ``int(qtype)``, ``mask`` a
+``qtypes.TypeMask``: the code of its types only, as in quants.py):
 
 * ``_quantize_x_q8(x, qs, d, s)``: x float32 (n,) -> qs int8 (n,), d, s float32 (n // 32,).
 * ``_dot_row_q8_0_i8(row, qs, d, nb)``, ``_dot_row_q4_0_i8(row, qs, d, s, nb)``,
@@ -36,11 +37,11 @@ Njit level (C-contiguous arrays; nothing raises; ``code`` is ``int(qtype)``):
 * ``_dot_row_q5_0_i8``, ``_dot_row_q5_1_i8`` (row, qs, d, s, nb): the same for Q5_0/Q5_1;
   ``_dot_row_<k>_i8(row, qs, d, s, nb)`` for Q4_K, Q5_K, Q6_K, Q3_K, Q2_K (nb super-blocks).
 * ``_has_i8(code)``: whether type ``code`` has an int8 kernel.
-* ``_rows_i8(code, data, r0, r1, qs, d, s, out)``: ``out[r] = dot(row r of data, x)`` for
-  rows r0..r1-1 by the int8 kernel of a type with one, on the calling thread (the fused
+* ``_rows_i8(mask, code, data, r0, r1, qs, d, s, out)``: ``out[r] = dot(row r of data, x)``
+  for rows r0..r1-1 by the int8 kernel of a type with one, on the calling thread (the fused
   decode step's work items). The caller quantizes each distinct x once and reuses qs/d/s.
-* ``_matvec_i8(code, data, x, qs, d, s, out)``: the same for all rows, row-parallel, else
-  (a type without an int8 kernel) ``npllama.quants._matvec(code, data, x, out)`` on x.
+* ``_matvec_i8(mask, code, data, x, qs, d, s, out)``: the same for all rows, row-parallel,
+  else (a type without an int8 kernel) ``npllama.quants._matvec(mask, code, data, x, out)`` on x.
 
 Python level: ``quantize_x(x)`` and ``matmul_int8(data, qtype, x, out=None)`` (decode: x of
 shape (n,)), for tests and benchmarks.
@@ -61,14 +62,15 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from .cpu import FEATURES
-from .qtypes import QT
+from .qtypes import QT, type_mask
 from .quants import (_F32T, _IR_FLAGS, _HW_F16, _I8, _I16, _I32, _Q2_K, _Q3_K, _Q4_0, _Q4_1, _Q4_K, _Q5_0,
                      _Q5_1, _Q5_K, _Q6_K, _Q8_0, _const_vec, _ir_accumulate, _ir_b8, _ir_bit_select, _ir_call, _ir_f16_exact,
                      _ir_f16_fast, _ir_hsum, _ir_i32, _ir_k_quants, _ir_k_scales, _ir_load, _ir_load_f16, _ir_qh_bits, _ir_splat,
-                     _ir_vec_zero, _is_c_array, _matvec, _prefetch_ahead, _product_args, _shuffle, _task_rows, _vec)
+                     _ir_vec_zero, _is_c_array, _matvec, _prefetch_ahead, _product_args, _shuffle, _task_rows,
+                     _type_flags, _vec)
 
 __all__ = ["DOT_ISA", "INT8_TYPES", "VNNI", "matmul_int8", "quantize_x"]
 
@@ -602,65 +604,82 @@ def _has_i8(code):
             or code == _Q4_K or code == _Q5_K or code == _Q6_K or code == _Q3_K or code == _Q2_K)
 
 
+def _rows_i8_of(mask, code, data, r0, r1, qs, d, s, out):
+    """`_rows_i8`'s branches, those of the types of `mask` (the overload below)."""
+
+
+@overload(_rows_i8_of, prefer_literal=True)
+def _rows_i8_of_jit(mask, code, data, r0, r1, qs, d, s, out):
+    _, _, _, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k = _type_flags(mask)
+
+    def impl(mask, code, data, r0, r1, qs, d, s, out):
+        nb = qs.shape[0] // 32
+        if q4_1 and code == _Q4_1:
+            for r in range(r0, r1):
+                _prefetch_ahead(data, r)
+                out[r] = _dot_row_q4_1_i8(data[r], qs, d, s, nb)
+        elif q8_0 and code == _Q8_0:
+            for r in range(r0, r1):
+                _prefetch_ahead(data, r)
+                out[r] = _dot_row_q8_0_i8(data[r], qs, d, nb)
+        elif q5_0 and code == _Q5_0:
+            for r in range(r0, r1):
+                _prefetch_ahead(data, r)
+                out[r] = _dot_row_q5_0_i8(data[r], qs, d, s, nb)
+        elif q4_k and code == _Q4_K:
+            for r in range(r0, r1):
+                _prefetch_ahead(data, r)
+                out[r] = _dot_row_q4_k_i8(data[r], qs, d, s, nb // 8)
+        elif q6_k and code == _Q6_K:
+            for r in range(r0, r1):
+                _prefetch_ahead(data, r)
+                out[r] = _dot_row_q6_k_i8(data[r], qs, d, s, nb // 8)
+        elif q5_k and code == _Q5_K:
+            for r in range(r0, r1):
+                _prefetch_ahead(data, r)
+                out[r] = _dot_row_q5_k_i8(data[r], qs, d, s, nb // 8)
+        elif q5_1 and code == _Q5_1:
+            for r in range(r0, r1):
+                _prefetch_ahead(data, r)
+                out[r] = _dot_row_q5_1_i8(data[r], qs, d, s, nb)
+        elif q3_k and code == _Q3_K:
+            for r in range(r0, r1):
+                _prefetch_ahead(data, r)
+                out[r] = _dot_row_q3_k_i8(data[r], qs, d, s, nb // 8)
+        elif q2_k and code == _Q2_K:
+            for r in range(r0, r1):
+                _prefetch_ahead(data, r)
+                out[r] = _dot_row_q2_k_i8(data[r], qs, d, s, nb // 8)
+        elif q4_0 and code == _Q4_0:
+            for r in range(r0, r1):
+                _prefetch_ahead(data, r)
+                out[r] = _dot_row_q4_0_i8(data[r], qs, d, s, nb)
+        else:
+            out[r0:r1] = np.nan
+
+    return impl
+
+
 @njit(cache=True)
-def _rows_i8(code, data, r0, r1, qs, d, s, out):
+def _rows_i8(mask, code, data, r0, r1, qs, d, s, out):
     """out[r] = dot(row r of ``data``, x) for r in r0..r1-1, on the calling thread, by the
-    int8 kernel of type ``code`` (one of ``_has_i8``) on the quantized x (qs, d, s)."""
-    nb = qs.shape[0] // 32
-    if code == _Q4_1:
-        for r in range(r0, r1):
-            _prefetch_ahead(data, r)
-            out[r] = _dot_row_q4_1_i8(data[r], qs, d, s, nb)
-    elif code == _Q8_0:
-        for r in range(r0, r1):
-            _prefetch_ahead(data, r)
-            out[r] = _dot_row_q8_0_i8(data[r], qs, d, nb)
-    elif code == _Q5_0:
-        for r in range(r0, r1):
-            _prefetch_ahead(data, r)
-            out[r] = _dot_row_q5_0_i8(data[r], qs, d, s, nb)
-    elif code == _Q4_K:
-        for r in range(r0, r1):
-            _prefetch_ahead(data, r)
-            out[r] = _dot_row_q4_k_i8(data[r], qs, d, s, nb // 8)
-    elif code == _Q6_K:
-        for r in range(r0, r1):
-            _prefetch_ahead(data, r)
-            out[r] = _dot_row_q6_k_i8(data[r], qs, d, s, nb // 8)
-    elif code == _Q5_K:
-        for r in range(r0, r1):
-            _prefetch_ahead(data, r)
-            out[r] = _dot_row_q5_k_i8(data[r], qs, d, s, nb // 8)
-    elif code == _Q5_1:
-        for r in range(r0, r1):
-            _prefetch_ahead(data, r)
-            out[r] = _dot_row_q5_1_i8(data[r], qs, d, s, nb)
-    elif code == _Q3_K:
-        for r in range(r0, r1):
-            _prefetch_ahead(data, r)
-            out[r] = _dot_row_q3_k_i8(data[r], qs, d, s, nb // 8)
-    elif code == _Q2_K:
-        for r in range(r0, r1):
-            _prefetch_ahead(data, r)
-            out[r] = _dot_row_q2_k_i8(data[r], qs, d, s, nb // 8)
-    else:
-        for r in range(r0, r1):
-            _prefetch_ahead(data, r)
-            out[r] = _dot_row_q4_0_i8(data[r], qs, d, s, nb)
+    int8 kernel of type ``code`` (one of ``_has_i8``, and of ``mask``'s types; else NaN) on
+    the quantized x (qs, d, s)."""
+    _rows_i8_of(mask, code, data, r0, r1, qs, d, s, out)
 
 
 @njit(parallel=True, cache=True)
-def _matvec_i8(code, data, x, qs, d, s, out):
+def _matvec_i8(mask, code, data, x, qs, d, s, out):
     """out[r] = dot(row r of ``data``, x): by the int8 kernel of type ``code`` on the quantized
     x (qs, d, s from ``_quantize_x_q8(x, ...)``), row-parallel, else by the float32 kernel
-    on x."""
+    on x (the code of ``mask``'s types only)."""
     if not _has_i8(code):
-        _matvec(code, data, x, out)
+        _matvec(mask, code, data, x, out)
         return
     rows = data.shape[0]
     per = _task_rows(rows)
     for c in prange((rows + per - 1) // per):
-        _rows_i8(code, data, c * per, min(rows, (c + 1) * per), qs, d, s, out)
+        _rows_i8(mask, code, data, c * per, min(rows, (c + 1) * per), qs, d, s, out)
 
 
 # ---------------------------------------------------------------------------------------
@@ -698,5 +717,5 @@ def matmul_int8(data, qtype, x, out=None) -> np.ndarray:
         qs, d, s = quantize_x(x)
     else:
         qs, d, s = np.empty(0, np.int8), np.empty(0, np.float32), np.empty(0, np.float32)
-    _matvec_i8(code, w, x, qs, d, s, out)
+    _matvec_i8(type_mask([sp.qtype]), code, w, x, qs, d, s, out)
     return out

@@ -11,6 +11,8 @@ dotted straight from their blocks by the decode kernels' dots. Measured on 2 cor
 SmolLM2-135M Q4_1, this beats the tiled-dequant + BLAS path (`quants.matmul`) at every T from 2
 to 512: dequantizing whole weights into memory costs more than the BLAS products gain.
 `PanelOps` (engine/ops.py) computes the block's pieces of such weights by these kernels.
+Their first argument is the type mask (qtypes.TypeMask) of the types whose code they hold:
+the model's for PanelOps, the weight's group for `matmul_rows`.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import numpy as np
 from numba import njit, prange
 
 from .nn import _glu1, _rmsnorm_row, _rope_row
+from .qtypes import type_mask
 from .quants import _FAST, _block_sums as _row_block_sums, _deq_row_vec, _dot_row, _has_dot
 
 _FEW = 3          # up to this many rows, types with a direct dot dot the weight blocks directly
@@ -38,8 +41,9 @@ def _block_sums(x):
 
 
 @njit(fastmath=_FAST, cache=True)
-def _tile(code, data, r0, x, xsum, out, o0, w):
-    """out[t, o0 + i] = dot(W[r0 + i], x[t]) for the (up to) _TILE weight rows from r0.
+def _tile(mask, code, data, r0, x, xsum, out, o0, w):
+    """out[t, o0 + i] = dot(W[r0 + i], x[t]) for the (up to) _TILE weight rows from r0, by the
+    code of the types of `mask` (a qtypes.TypeMask; quants.py's NaN for another type).
 
     With at most _FEW activation rows, rows of a type with a direct dot (`quants._has_dot`:
     Q4_0/Q4_1/Q8_0, Q5_0/Q5_1 and the K-quants) are dotted straight from their blocks (the
@@ -56,10 +60,10 @@ def _tile(code, data, r0, x, xsum, out, o0, w):
         for i in range(nr):
             row = data[r0 + i]
             for t in range(T):
-                out[t, o0 + i] = _dot_row(code, row, x[t], xsum[t])
+                out[t, o0 + i] = _dot_row(mask, code, row, x[t], xsum[t])
         return
     for i in range(nr):
-        _deq_row_vec(code, data[r0 + i], w[i])
+        _deq_row_vec(mask, code, data[r0 + i], w[i])
     for i in range(nr, _TILE):
         w[i, :] = 0.0
     w0 = w[0]
@@ -101,18 +105,18 @@ def _tile(code, data, r0, x, xsum, out, o0, w):
 
 
 @njit(parallel=True, fastmath=_FAST, cache=True)
-def _matmul_rows(code, data, x, out):
+def _matmul_rows(mask, code, data, x, out):
     """out = x @ W.T for a GGUF weight W (rows, row_bytes) and a few rows x (T, n): one task
     per _TILE weight rows, so every weight byte is read once per call."""
     xsum = _block_sums(x)
     n_tiles = (data.shape[0] + _TILE - 1) // _TILE
     for c in prange(n_tiles):
         w = np.empty((_TILE, x.shape[1]), np.float32)
-        _tile(code, data, c * _TILE, x, xsum, out, c * _TILE, w)
+        _tile(mask, code, data, c * _TILE, x, xsum, out, c * _TILE, w)
 
 
 @njit(parallel=True, fastmath=_FAST, cache=True)
-def _qkv_rows(cq, wq, ck, wk, cv, wv, x, q, k, v):
+def _qkv_rows(mask, cq, wq, ck, wk, cv, wv, x, q, k, v):
     """q, k, v = x @ Wq.T, x @ Wk.T, x @ Wv.T in one parallel region over all their tiles."""
     xsum = _block_sums(x)
     tq = (wq.shape[0] + _TILE - 1) // _TILE
@@ -121,15 +125,15 @@ def _qkv_rows(cq, wq, ck, wk, cv, wv, x, q, k, v):
     for c in prange(tq + tk + tv):
         w = np.empty((_TILE, x.shape[1]), np.float32)
         if c < tq:
-            _tile(cq, wq, c * _TILE, x, xsum, q, c * _TILE, w)
+            _tile(mask, cq, wq, c * _TILE, x, xsum, q, c * _TILE, w)
         elif c < tq + tk:
-            _tile(ck, wk, (c - tq) * _TILE, x, xsum, k, (c - tq) * _TILE, w)
+            _tile(mask, ck, wk, (c - tq) * _TILE, x, xsum, k, (c - tq) * _TILE, w)
         else:
-            _tile(cv, wv, (c - tq - tk) * _TILE, x, xsum, v, (c - tq - tk) * _TILE, w)
+            _tile(mask, cv, wv, (c - tq - tk) * _TILE, x, xsum, v, (c - tq - tk) * _TILE, w)
 
 
 @njit(parallel=True, fastmath=_FAST, cache=True)
-def _gate_up_rows(cg, wg, cu, wu, x, out, act):
+def _gate_up_rows(mask, cg, wg, cu, wu, x, out, act):
     """out = act(x @ Wg.T) * (x @ Wu.T) in one parallel region (the GLU fused per tile; act:
     a code of kernels.ACTS)."""
     T = x.shape[0]
@@ -140,8 +144,8 @@ def _gate_up_rows(cg, wg, cu, wu, x, out, act):
         g = np.empty((T, _TILE), np.float32)
         u = np.empty((T, _TILE), np.float32)
         r0 = c * _TILE
-        _tile(cg, wg, r0, x, xsum, g, 0, w)
-        _tile(cu, wu, r0, x, xsum, u, 0, w)
+        _tile(mask, cg, wg, r0, x, xsum, g, 0, w)
+        _tile(mask, cu, wu, r0, x, xsum, u, 0, w)
         n = min(_TILE, wg.shape[0] - r0)
         for t in range(T):  # elementwise: a row slice per token would cost more than the GLU
             for i in range(n):
@@ -174,5 +178,5 @@ def matmul_rows(w, x: np.ndarray) -> np.ndarray:
     if x.shape[0] == 1 or not _small(w):
         return w @ x
     out = np.empty((x.shape[0], w.rows), np.float32)
-    _matmul_rows(int(w.qtype), w.data, x, out)
+    _matmul_rows(type_mask([w.qtype]), int(w.qtype), w.data, x, out)
     return out
