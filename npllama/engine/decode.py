@@ -538,7 +538,7 @@ def _worker(mask, ctr, home, nr, token, pos, buffer, panels, table, attn_norm, f
                 elif step == 3:
                     _attention(ctr, home, nr, li, pos, res[li], offs, n_items, q, k, v, bq, bk, bv, q_norm, k_norm,
                                lcfg[li], eps, kvs[li], pages, ps, cos, sin, neox, scale, part_m[li], part_l[li],
-                               part_acc[li], s, ha, i8.ndim == 1)  # int8 mode: a flat int8 arena
+                               part_acc[li], s, ha, i8)
                     _prepare(ha, xsum, xa)
                 elif step == 4:
                     _wait(ctr, _slot(li, 3, nr), nr, n_items[3])
@@ -583,14 +583,12 @@ def _residual(x, r, post, li, eps, tmp):
 
 @njit(cache=True)
 def _attention(ctr, home, nr, li, pos, res, offs, n_items, q, k, v, bq, bk, bv, q_norm, k_norm, lcfg, eps, kv, pages,
-               ps, cos, sin, neox, scale, part_m, part_l, part_acc, s, out, fixed):
+               ps, cos, sin, neox, scale, part_m, part_l, part_acc, s, out, i8):
     """A thread's part of layer li's attention: wait for q, k, v; norm and RoPE them
     (privately) as the layer says and write the new key and value rows; take chunks of the
     keys the query sees (its window's, in a sliding layer) as items; merge every head's
-    chunks into out (H * D). In the exact mode the chunks split the keys evenly and an item
-    takes every KV head of its chunk; in int8 mode (``fixed``) the chunks sit at multiples
-    of attention._CHUNK and are folded by the batched pass's routine (`_fixed_chunks`), so
-    that a token's attention has the bits of a batched pass's.
+    chunks into out (H * D): `_attention_items`, by the mode that the worker's int8 arena
+    `i8` tells.
 
     q: (KVH, G, D) scratch for the query; k, v: (KVH, D); lcfg: the layer's [RoPE
     table or -1, window or 0]; position p's record is kv[pages[p // ps] * ps + p % ps] (a
@@ -598,7 +596,6 @@ def _attention(ctr, home, nr, li, pos, res, offs, n_items, q, k, v, bq, bk, bv, 
     part_acc (n_chunks, KVH, G, D): the chunks' running states (int8 mode: room for at least
     pos // _CHUNK + 1 chunks)."""
     KVH, G, D = q.shape
-    n_chunks = part_m.shape[0]
     for step in range(3):
         _wait(ctr, _slot(li, step, nr), nr, n_items[step])
     q.reshape(KVH * G * D)[:] = res[offs[0]:offs[1]]
@@ -624,11 +621,44 @@ def _attention(ctr, home, nr, li, pos, res, offs, n_items, q, k, v, bq, bk, bv, 
             _st(kv[at, g, 0], d, k[g, d])
             _st(kv[at, g, 1], d, v[g, d])
     lo = max(0, pos + 1 - lcfg[1]) if lcfg[1] > 0 else 0  # the first key the query sees
-    slot = _slot(li, _ATT, nr)
-    if fixed:
-        _fixed_chunks(ctr, home, nr, slot, pos, lo, q, kv, pages, ps, lcfg[1], scale, part_m, part_l, part_acc,
-                      out)
-        return
+    _attention_items(i8, ctr, home, nr, _slot(li, _ATT, nr), pos, lo, q, kv, pages, ps, lcfg[1], scale, part_m,
+                     part_l, part_acc, s, out)
+
+
+def _attention_items(i8, ctr, home, nr, slot, pos, lo, q, kv, pages, ps, window, scale, part_m, part_l, part_acc, s,
+                     out):
+    """A thread's share of a layer's attention items, then the merge (`_attention`): in the
+    exact mode (int24 planes: `i8` is (3, L)) the chunks split the keys evenly and an item takes
+    every KV head of its chunk (`_even_chunks`); in int8 mode (`i8` flat) the chunks sit at
+    multiples of attention._CHUNK and are folded by the batched pass's routine
+    (`_fixed_chunks`), so that a token's attention has the bits of a batched pass's. Chosen
+    as the step compiles (the overload below): a step holds one mode's code, not both (the
+    int8 mode's was 0.57 MB of the exact step's 1.45)."""
+    if i8.ndim == 1:
+        _fixed_chunks(ctr, home, nr, slot, pos, lo, q, kv, pages, ps, window, scale, part_m, part_l, part_acc, out)
+    else:
+        _even_chunks(ctr, home, nr, slot, pos, lo, q, kv, pages, ps, scale, part_m, part_l, part_acc, s, out)
+
+
+@overload(_attention_items)
+def _attention_items_jit(i8, ctr, home, nr, slot, pos, lo, q, kv, pages, ps, window, scale, part_m, part_l, part_acc,
+                         s, out):
+    if i8.ndim == 1:
+        return (lambda i8, ctr, home, nr, slot, pos, lo, q, kv, pages, ps, window, scale, part_m, part_l, part_acc, s,
+                out: _fixed_chunks(ctr, home, nr, slot, pos, lo, q, kv, pages, ps, window, scale, part_m, part_l,
+                                   part_acc, out))
+    return (lambda i8, ctr, home, nr, slot, pos, lo, q, kv, pages, ps, window, scale, part_m, part_l, part_acc, s,
+            out: _even_chunks(ctr, home, nr, slot, pos, lo, q, kv, pages, ps, scale, part_m, part_l, part_acc, s,
+                              out))
+
+
+@njit(cache=True)
+def _even_chunks(ctr, home, nr, slot, pos, lo, q, kv, pages, ps, scale, part_m, part_l, part_acc, s, out):
+    """The exact mode's attention items (`_attention_items`): n_chunks chunks of the keys lo..pos
+    split evenly, each with every KV head, folded by the decode kernel (`_decode_chunk`);
+    then merged in order (`_merge_chunks`)."""
+    KVH, G, D = q.shape
+    n_chunks = part_m.shape[0]
     q *= scale
     chunk = -(-(pos + 1 - lo) // n_chunks)
     done = 0
@@ -653,7 +683,7 @@ def _attention(ctr, home, nr, li, pos, res, offs, n_items, q, k, v, bq, bk, bv, 
 
 @njit(cache=True)
 def _fixed_chunks(ctr, home, nr, slot, pos, lo, q, kv, pages, ps, window, scale, part_m, part_l, part_acc, out):
-    """int8 mode's attention items (`_attention`): the chunks at multiples of _CHUNK from the
+    """int8 mode's attention items (`_attention_items`): the chunks at multiples of _CHUNK from the
     one holding key lo, each with every KV head (from twice as many chunks as threads on:
     the heads' parts of a record read together) or else with one (fewer chunks share out
     unevenly: at 600 keys one thread folded the whole first chunk while the other waited),
