@@ -1391,6 +1391,8 @@ def dequantize(data, qtype) -> np.ndarray:
     """
     s = _spec(qtype)
     arr = _as_byte_rows(data, s)
+    if s.qtype in (QT.F32, QT.F16, QT.BF16):
+        return _floats(arr, s.qtype)
     n = arr.shape[-1] // s.type_size * s.block_size
     out = np.empty(arr.shape[:-1] + (n,), np.float32)
     if out.size:
@@ -1399,6 +1401,17 @@ def dequantize(data, qtype) -> np.ndarray:
         _dequantize_rows(type_mask([s.qtype]), int(s.qtype), arr.reshape(-1, k * s.type_size),
                          out.reshape(-1, k * s.block_size))
     return out
+
+
+def _floats(arr: np.ndarray, qtype) -> np.ndarray:
+    """A new float32 array of the F32, F16 or BF16 values in the C-contiguous bytes `arr` (rows
+    of whole values), by NumPy: every conversion is exact, so the bits are the kernels', and a
+    model's opening (its norms are F32) compiles nothing for them."""
+    if qtype == QT.F32:
+        return arr.view(np.float32).copy()
+    if qtype == QT.F16:
+        return arr.view(np.float16).astype(np.float32)
+    return (arr.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 def _product_args(data, qtype, x, out, x_ndims):
