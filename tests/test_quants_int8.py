@@ -1,6 +1,7 @@
 """npllama.kernels.quants_int8: int8-activation decode products, against NumPy references of the same
 integer math, for every instruction set the kernels can be compiled for on this machine."""
 import os
+import re
 import subprocess
 import sys
 
@@ -524,17 +525,100 @@ def test_dot_isa_selection():
     assert qi._dot_isa(set()) == "generic"
 
 
+def keep_own_ir():
+    """From now on, let each Numba code library that compiles keep its own LLVM IR (`own_ir`):
+    its functions as lowered and optimized one by one, before the libraries it calls are linked
+    in. The linked module (what `inspect_llvm` shows) cannot show whether the source holds x86
+    code: the JIT compiles each module in place and links callees' modules as compiled, and
+    x86's atomic expansion rewrites an `atomicrmw sub` compared with zero as an x86 intrinsic,
+    so Numba's NRT_decref, linked into every kernel from the runtime library, calls
+    llvm.x86.atomic.sub.cc.i64 there on any x86 host."""
+    from numba.core import codegen
+    library_class = codegen.JITCPUCodegen._library_class
+    finalize = library_class.finalize
+
+    def keep_then_finalize(self):
+        self.own_ir = str(self._final_module)
+        finalize(self)
+
+    library_class.finalize = keep_then_finalize
+
+
+def aarch64_objects() -> tuple[int, int, int, list[str]]:
+    """Compile every npllama kernel this process compiled (each signature of each njit function
+    of npllama.kernels.* and npllama.engine.*), with all the libraries linked into it (its
+    callees, overloads, parallel regions, Numba's runtime), for AArch64 with NEON, after checking
+    that none of their IR (`keep_own_ir`, installed before the first compile) uses an x86
+    intrinsic. Returns (kernels, libraries, functions compiled, the kernels' names)."""
+    import llvmlite.binding as llvm
+    from numba.core.registry import CPUDispatcher
+    dispatchers = {id(v): v for name, module in list(sys.modules.items())
+                   if name.startswith(("npllama.kernels.", "npllama.engine.")) for v in vars(module).values()
+                   if isinstance(v, CPUDispatcher)}
+    kernels = [(d.__name__, cres.library) for d in dispatchers.values() for cres in d.overloads.values()]
+    libraries, todo = {}, [library for _, library in kernels]
+    while todo:
+        library = todo.pop()
+        if id(library) not in libraries:
+            libraries[id(library)] = library
+            todo.extend(library._linking_libraries)
+    missing = [library.name for library in libraries.values() if not hasattr(library, "own_ir")]
+    assert not missing, f"compiled before keep_own_ir or loaded from a cache: {missing}"
+    x86 = {library.name: sorted(set(re.findall(r"llvm\.x86\.[\w.]+", library.own_ir)))
+           for library in libraries.values() if "llvm.x86." in library.own_ir}
+    assert not x86, f"x86 intrinsics in the portable path: {x86}"
+    llvm.initialize_all_targets()
+    llvm.initialize_all_asmprinters()
+    triple = "aarch64-unknown-linux-gnu"
+    tm = llvm.Target.from_triple(triple).create_target_machine(cpu="generic", features="+neon", opt=2)
+    functions = 0
+    for library in libraries.values():
+        # no x86 CPU or features may steer the AArch64 back end
+        module = llvm.parse_assembly(re.sub(r'\s"target-(?:cpu|features)"="[^"]*"', "", library.own_ir))
+        module.triple, module.data_layout = triple, str(tm.target_data)
+        module.verify()
+        assert tm.emit_object(module), library.name
+        functions += sum(not f.is_declaration for f in module.functions)
+    return len(kernels), len(libraries), functions, sorted({name for name, _ in kernels})
+
+
+# The portable target's extra run: the panel products and the decode step's work sharing, with
+# workshare's x86 gate as platform.machine() sets it on ARM (no pause in the spin-wait), then
+# every kernel compiled for AArch64.
+_PORTABLE_RUN = """
+from npllama.kernels import panels, workshare
+data = t.full_range_weight(QT.Q4_0, 20, 2, rng)
+x = rng.normal(size=(3, 64)).astype(np.float32)
+out = panels.matmul_panels(panels.pack_panels(data, QT.Q4_0), QT.Q4_0, 20, x)
+for row, xt in zip(out, x):
+    np.testing.assert_allclose(row, qi.matmul_int8(data, QT.Q4_0, xt), rtol=1e-5, atol=1e-5)
+workshare._X86 = False
+ctr = np.zeros(workshare.phase_size(2), np.int64)
+taken = [workshare._take(ctr, 0, 1, 2, 5) for _ in range(6)]
+assert taken == [2, 3, 4, 0, 1, -1], taken
+workshare._finish(ctr, 0, 2, 5)
+workshare._wait(ctr, 0, 2, 5)
+kernels, libraries, functions, names = t.aarch64_objects()
+print("aarch64", kernels, libraries, functions, ",".join(names))
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(cpu.target_features() == set() or "avx2" not in cpu.target_features(),
                     reason="needs an x86 host with AVX2")
-@pytest.mark.parametrize("drop, isa", [(("avx512", "vnni"), "avx2"), (("avx512", "vnni", "avx2", "f16c"), "generic")])
+@pytest.mark.parametrize("drop, isa", [(("avx512", "vnni"), "avx2"),
+                                       (("avx512", "vnni", "avx2", "f16c", "amx"), "generic")])
 def test_non_vnni_target_in_subprocess(tmp_path, drop, isa):
     """With NUMBA_CPU_FEATURES lacking VNNI (and AVX2, F16C), the module picks the fallback and
     its cached kernels compile for that target and give the reference results (as do the
     float32 direct dots of Q5_0/Q5_1 and the K-quants, whose mask and byte-vector IR is lowered
     differently without AVX-512). So does paged attention over a float16 pool: a decoding
     query reads the records directly where F16C converts them, else through float32 scratch,
-    with the session kernels' bits either way."""
+    with the session kernels' bits either way.
+
+    The generic target (no AMX either) is the portable path that ARM64 machines get: there
+    the panel products and the work-sharing counters run too, and then every kernel compiled
+    in the process, with all it links in, holds no x86 intrinsic and compiles for AArch64."""
     import llvmlite.binding as llvm
     feats = llvm.get_host_cpu_features()
     flat = ",".join(("-" if (not v or any(k.startswith(p) or p in k for p in drop)) else "+") + k
@@ -542,6 +626,7 @@ def test_non_vnni_target_in_subprocess(tmp_path, drop, isa):
     env = dict(os.environ, NUMBA_CPU_FEATURES=flat, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path),
                PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                            os.path.dirname(os.path.abspath(__file__))]))
+    portable = isa == "generic"
     code = f"""
 import numpy as np
 from gguf import GGMLQuantizationType as QT
@@ -549,6 +634,7 @@ from npllama.kernels import quants_int8 as qi
 from npllama.kernels import quants
 import test_quants_int8 as t
 from test_products import assert_close
+{"t.keep_own_ir()" if portable else ""}
 assert qi.DOT_ISA == {isa!r}, qi.DOT_ISA
 rng = np.random.default_rng(0)
 for qtype in t.INT8_TYPES + t.NEW_TYPES:
@@ -567,7 +653,12 @@ q = rng.standard_normal((1, 6, 64)).astype(np.float32)
 seq = np.ascontiguousarray(kv[tables[0]].reshape(-1, 2, 2, 64))
 assert np.array_equal(paged_attend(q, kv, tables, np.zeros(1, np.int64), np.array([170])), attend(q, seq, 171))
 print("ok", qi.DOT_ISA, quants._HW_F16)
-"""
+""" + (_PORTABLE_RUN if portable else "")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split()[:2] == ["ok", isa]
+    if portable:
+        tag, kernels, _, functions, names = r.stdout.split()[-5:]
+        assert tag == "aarch64" and int(kernels) >= 30 and int(functions) >= 100, r.stdout
+        expected = {"_matvec_i8", "_rows_i8", "_matvec", "_paged_kernel", "_matmul_panels", "_wait"}
+        assert expected <= set(names.split(",")), names
