@@ -1,5 +1,5 @@
-"""A short reply from a fresh process: `npllama run` against a fresh llama-cpp-python script
-(issue 21.1). Wall time and peak RSS of each, in alternating rounds, then where npllama's
+"""A short reply from a fresh process: `npllama run` against a fresh llama-cpp-python script.
+Wall time and peak RSS of each, in alternating rounds, then where npllama's
 time goes. Never a pass/fail test.
 
     python bench/bench_coldstart.py [--model PATH] [--rounds 5] [--threads 2] [--tokens 16]

@@ -16,7 +16,7 @@ with its default float16 KV cache; llama.cpp stores its cache in float16 too). A
 can be asked for with --engines: npllama-f16kv, the exact products with a float16 KV cache
 (the same cache bytes as llama.cpp's, which is what long prompts spend their time reading).
 llama.cpp-fa is llama.cpp with flash attention on (its CLI's default; llama-cpp-python's is
-off). With --prompt 4000, the long-prompt comparison of issue 21; a line then also gives each
+off). With --prompt 4000, the long-prompt comparison; a line then also gives each
 engine's end-to-end time (prefill and decode) and its ratio to llama.cpp-fa's.
 
 The references run in their own python (the venv of ../shared/tools/setup-refs.sh, or

@@ -12,7 +12,7 @@ p99) and request latency (median and p99). llama-cpp-python's server runs one re
 time (a lock held for the whole request); it is started with `--interrupt_requests False`,
 without which each new request aborts the stream in progress. It runs from the references'
 python ($NPLLAMA_REF_PY, else ~/.cache/npllama-refs/venv) with its server extras, and is
-skipped with a note without them. Targets (issue 17): npllama's 16-stream throughput >= 3x
+skipped with a note without them. Targets: npllama's 16-stream throughput >= 3x
 llama-cpp-python's server, and >= 2x npllama one request at a time.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Make the per-architecture oracle fixtures in tests/fixtures/arch/ (issue 15).
+"""Make the per-architecture oracle fixtures in tests/fixtures/arch/.
 
 Run with the references' python (torch, transformers, tokenizers; it installs sentencepiece
 into that venv if missing):
