@@ -17,6 +17,11 @@ collect_ignore = [] if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else ["cuda
 # user's model cache; the tests of that cache (test_panelfile.py) turn it on in a cache of their own.
 os.environ.setdefault("NPLLAMA_PANEL_CACHE", "0")
 
+# The suite's tiny models hold every quant type: the kernels compile every type's code once
+# (qtypes.kernel_types), not a version per group of types; tests/test_typemask.py checks that
+# the groups' versions, a model's default, give the same bits.
+os.environ.setdefault("NPLLAMA_KERNEL_TYPES", "all")
+
 
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
 def threads(request):

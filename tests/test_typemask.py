@@ -10,7 +10,7 @@ from numba.core.errors import TypingError
 import npllama
 from npllama.engine import block
 from npllama.kernels import panels, quants, quants_int8, rows
-from npllama.kernels.qtypes import ALL_TYPES, type_mask
+from npllama.kernels.qtypes import ALL_TYPES, KERNEL_TYPES, kernel_types, type_mask
 from test_products import weight
 from tinygguf import write_tiny_llama
 
@@ -79,7 +79,38 @@ def test_a_plain_int_is_no_mask():
 
 
 @pytest.mark.parametrize("qtype", [QT.Q4_1, QT.F16])
-def test_a_models_mask_has_the_groups_of_its_weights(tmp_path, qtype):
-    """The norms (F32) are no product's: a Q4_1 model's kernels leave the float types out."""
+def test_a_models_mask_has_the_groups_of_its_weights(tmp_path, monkeypatch, qtype):
+    """The norms (F32) are no product's: a Q4_1 model's kernels leave the float types out
+    (the default; the suite compiles every type's code, conftest.py)."""
+    monkeypatch.setenv(KERNEL_TYPES, "model")
     m = npllama.Model(write_tiny_llama(tmp_path / "m.gguf", qtype=qtype))
     assert block.kernel_mask(m) == type_mask([qtype]) == m.decode_plan.mask
+
+
+def test_every_types_code_where_the_environment_says_and_a_bad_value_refused(monkeypatch):
+    monkeypatch.setenv(KERNEL_TYPES, "all")
+    assert kernel_types([QT.Q4_1]) == ALL_TYPES
+    monkeypatch.delenv(KERNEL_TYPES)
+    assert kernel_types([QT.Q4_1]) == type_mask([QT.Q4_1])
+    monkeypatch.setenv(KERNEL_TYPES, "some")
+    with pytest.raises(ValueError, match="NPLLAMA_KERNEL_TYPES='some'.*'model'.*'all'"):
+        kernel_types([QT.Q4_1])
+
+
+@pytest.mark.slow
+def test_a_model_compiled_for_its_groups_gives_the_bits_of_every_types_code(tmp_path, monkeypatch):
+    """A model's default kernels (its groups' code: the fused decode step and the compiled
+    layers) against those of every type, on one Q4_1 model: the prompt's logits and a decoded
+    token's, bit for bit."""
+    path = write_tiny_llama(tmp_path / "m.gguf", qtype=QT.Q4_1)
+    ids = [(7 * i) % 250 for i in range(9)]
+    runs = []
+    for choice in ("model", "all"):
+        monkeypatch.setenv(KERNEL_TYPES, choice)
+        m = npllama.Model(path)
+        s = m.session()
+        runs.append((block.kernel_mask(m), s.feed(ids[:-1]).copy(), s.feed(ids[-1:]).copy()))
+    (mine, *got), (every, *want) = runs
+    assert mine == type_mask([QT.Q4_1]) and every == ALL_TYPES
+    for a, b in zip(got, want):
+        assert same_bits(a, b)

@@ -22,7 +22,7 @@ import weakref
 import numpy as np
 
 from ..kernels.nn import _rope, glu, rmsnorm
-from ..kernels.qtypes import TypeMask, type_mask
+from ..kernels.qtypes import TypeMask, kernel_types
 
 _MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -34,7 +34,7 @@ def kernel_mask(model) -> TypeMask:
     PanelOps anew)."""
     mask = _MASKS.get(model)
     if mask is None:
-        mask = _MASKS[model] = type_mask([w.qtype for w in model.product_weights()] + [model.token_embd.qtype])
+        mask = _MASKS[model] = kernel_types([w.qtype for w in model.product_weights()] + [model.token_embd.qtype])
     return mask
 
 

@@ -117,7 +117,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .nn import _glu1
-from .qtypes import type_mask
+from .qtypes import kernel_types
 from .quants import (_F32T, _I8, _I16, _I32, _Q4_0, _Q4_1, _Q4_K, _Q5_0, _Q5_1, _Q5_K, _Q6_K, _Q8_0, _const_vec,
                      _ir_call, _ir_load, _ir_prefetch, _ir_splat, _is_c_array, _mask_codes, _shuffle, _vec)
 from . import aligned
@@ -1037,5 +1037,5 @@ def matmul_panels(panels: np.ndarray, qtype, rows: int, x, *, int8: bool = True)
         raise ValueError(f"panels of shape {panels.shape} do not hold a {kind} weight of {rows} rows and "
                          f"{n} columns; make them with pack_panels")
     out = np.empty((T, rows), np.float32)
-    _matmul_panels(type_mask([qtype]), int(qtype), np.ascontiguousarray(panels), rows, xr, out)
+    _matmul_panels(kernel_types([qtype]), int(qtype), np.ascontiguousarray(panels), rows, xr, out)
     return out

@@ -21,6 +21,7 @@ row products, 1.59 MB with every type; its code is mostly attention's and the wo
 """
 from __future__ import annotations
 
+import os
 from enum import IntEnum
 
 
@@ -97,3 +98,19 @@ def type_mask(qtypes) -> TypeMask:
 
 
 ALL_TYPES = type_mask(QT)  # every type's code: the reference kernels of the tests
+
+KERNEL_TYPES = "NPLLAMA_KERNEL_TYPES"
+"""The environment variable that says which types' code the kernels compile: "model" (the
+default: the groups of the weights in hand, `type_mask`) or "all" (`ALL_TYPES`: one compile
+serves models of every type, for a server of several models or a test suite)."""
+
+
+def kernel_types(qtypes) -> TypeMask:
+    """The type mask that kernels reading weights of `qtypes` compile for, as $NPLLAMA_KERNEL_TYPES
+    says (`KERNEL_TYPES`); ValueError for another value."""
+    choice = os.environ.get(KERNEL_TYPES, "model")
+    if choice == "all":
+        return ALL_TYPES
+    if choice != "model":
+        raise ValueError(f"{KERNEL_TYPES}={choice!r}: use 'model' (the model's types, the default) or 'all'")
+    return type_mask(qtypes)

@@ -54,7 +54,7 @@ from numba import config as numba_config, njit, prange, types
 from numba.core import cgutils, errors
 from numba.extending import intrinsic, overload, typeof_impl
 
-from .qtypes import BLOCK_SIZES, QT, TypeMask, type_mask, type_name
+from .qtypes import BLOCK_SIZES, QT, TypeMask, kernel_types, type_name
 from .threads import single_threaded_blas
 
 # Product kernels may reassociate and contract, but must keep inf/nan semantics.
@@ -1398,7 +1398,7 @@ def dequantize(data, qtype) -> np.ndarray:
     if out.size:
         # Work items of k whole blocks, so a few long rows still spread over all threads.
         k = math.gcd(arr.size // s.type_size, max(1, _DEQ_CHUNK_ELEMS // s.block_size))
-        _dequantize_rows(type_mask([s.qtype]), int(s.qtype), arr.reshape(-1, k * s.type_size),
+        _dequantize_rows(kernel_types([s.qtype]), int(s.qtype), arr.reshape(-1, k * s.type_size),
                          out.reshape(-1, k * s.block_size))
     return out
 
@@ -1458,7 +1458,7 @@ def matmul(data, qtype, x, out=None) -> np.ndarray:
         return out
 
     if x.ndim == 1 or x.shape[0] == 1:
-        _matvec(type_mask([s.qtype]), int(s.qtype), w, x.reshape(n), out.reshape(rows))
+        _matvec(kernel_types([s.qtype]), int(s.qtype), w, x.reshape(n), out.reshape(rows))
     else:
         with single_threaded_blas():
             if s.qtype == QT.F32:
@@ -1468,6 +1468,6 @@ def matmul(data, qtype, x, out=None) -> np.ndarray:
                 tile = np.empty((tile_rows, n), np.float32)
                 for r0 in range(0, rows, tile_rows):
                     t = tile[:min(tile_rows, rows - r0)]
-                    _dequantize_rows(type_mask([s.qtype]), int(s.qtype), w[r0:r0 + t.shape[0]], t)
+                    _dequantize_rows(kernel_types([s.qtype]), int(s.qtype), w[r0:r0 + t.shape[0]], t)
                     np.matmul(x, t.T, out=out[:, r0:r0 + t.shape[0]])
     return out

@@ -65,7 +65,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .cpu import FEATURES
-from .qtypes import QT, type_mask
+from .qtypes import QT, kernel_types
 from .quants import (_F32T, _IR_FLAGS, _HW_F16, _I8, _I16, _I32, _Q2_K, _Q3_K, _Q4_0, _Q4_1, _Q4_K, _Q5_0,
                      _Q5_1, _Q5_K, _Q6_K, _Q8_0, _const_vec, _ir_accumulate, _ir_b8, _ir_bit_select, _ir_call, _ir_f16_exact,
                      _ir_f16_fast, _ir_hsum, _ir_i32, _ir_k_quants, _ir_k_scales, _ir_load, _ir_load_f16, _ir_qh_bits, _ir_splat,
@@ -717,5 +717,5 @@ def matmul_int8(data, qtype, x, out=None) -> np.ndarray:
         qs, d, s = quantize_x(x)
     else:
         qs, d, s = np.empty(0, np.int8), np.empty(0, np.float32), np.empty(0, np.float32)
-    _matvec_i8(type_mask([sp.qtype]), code, w, x, qs, d, s, out)
+    _matvec_i8(kernel_types([sp.qtype]), code, w, x, qs, d, s, out)
     return out

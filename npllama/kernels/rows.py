@@ -20,7 +20,7 @@ import numpy as np
 from numba import njit, prange
 
 from .nn import _glu1, _rmsnorm_row, _rope_row
-from .qtypes import type_mask
+from .qtypes import kernel_types
 from .quants import _FAST, _block_sums as _row_block_sums, _deq_row_vec, _dot_row, _has_dot
 
 _FEW = 3          # up to this many rows, types with a direct dot dot the weight blocks directly
@@ -178,5 +178,5 @@ def matmul_rows(w, x: np.ndarray) -> np.ndarray:
     if x.shape[0] == 1 or not _small(w):
         return w @ x
     out = np.empty((x.shape[0], w.rows), np.float32)
-    _matmul_rows(type_mask([w.qtype]), int(w.qtype), w.data, x, out)
+    _matmul_rows(kernel_types([w.qtype]), int(w.qtype), w.data, x, out)
     return out
