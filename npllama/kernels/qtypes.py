@@ -13,11 +13,12 @@ mask, a `TypeMask`: an int whose bit 1 << id stands for type id. Numba types a T
 its literal value (kernels/quants.py registers that), so each mask compiles (and caches) a
 version of its own. `type_mask` makes the one mask of a set of types, by whole groups
 (`GROUPS`: the float types, the 32-element legacy blocks, the K-quants' super-blocks). A model
-of one quantization has the types of one or two groups, so a process (the test suite with its
-tiny models of every type too) compiles few versions of each fused kernel, where each mask
-is a compile of them all. Finer masks would save little more: SmolLM2 Q4_1's decode step is
-1.45 MB of machine code with the legacy group, 1.37 MB with Q4_1 and Q8_0 alone and no
-row products, 1.59 MB with every type; its code is mostly attention's and the workers'.
+of one quantization has the types of one or two groups, so its process compiles one version
+of each fused kernel. Where many models meet (a server of several, the test suite's tiny
+models of every type), `kernel_types` compiles every type's code once instead, as
+$NPLLAMA_KERNEL_TYPES=all says. Finer masks would save little more: SmolLM2 Q4_1's decode
+step was 1.45 MB of machine code with the legacy group, 1.37 MB with Q4_1 and Q8_0 alone and
+no row products, 1.59 MB with every type; its code is mostly attention's and the workers'.
 """
 from __future__ import annotations
 
