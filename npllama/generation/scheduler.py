@@ -28,6 +28,7 @@ from ..progress import Progress
 from .generate import (SAMPLING_KEYS, Completion, Token, TokenPicker, _StopScanner, check_logprobs,
                        check_max_tokens, check_stop, fit_prompt, prompt_ids)
 from .sampling import Sampler, SamplingParams, make_sampler
+from . import tools as tool_calls
 from .structured import Constraint, constraint as make_constraint
 
 __all__ = ["Request", "Scheduler", "complete_many", "generate_many"]
@@ -242,11 +243,28 @@ def complete_many(model, prompts: Sequence, *, max_tokens: int = 256, stop: str 
                   prefix_cache: bool = True, step_tokens: int = 512, threads: int | None = None,
                   stats: dict | None = None, progress: bool | None = None,
                   sampling: SamplingParams | None = None, json_schema=None, regex: str | None = None,
-                  grammar: str | None = None, **sampling_options) -> list[Completion]:
+                  grammar: str | None = None, tools: list[dict] | None = None, tool_choice="auto",
+                  parallel_tool_calls: bool = True, **sampling_options) -> list:
     """A Completion for each prompt, in input order, generated with continuous batching by a
     Scheduler (see the module's docstring): the results are those of calling `model.complete`
     on each prompt alone. `stats`, if given, is filled with the scheduler's counts.
-    `json_schema`, `regex` or `grammar` constrain every output (each request has its own matcher)."""
+    `json_schema`, `regex` or `grammar` constrain every output (each request has its own matcher).
+
+    With `tools` (and `tool_choice`, `parallel_tool_calls`, as `model.chat` takes them) each
+    prompt is a conversation (a list of messages) and each result the assistant message dict that
+    `model.chat(conversation, tools=...)` returns."""
+    if tools is not None:
+        if any(v is not None for v in (json_schema, regex, grammar)):
+            raise ValueError("tools cannot be combined with json_schema, regex or grammar: the tool-call grammar "
+                             "already constrains the reply")
+        plans = [tool_calls.plan(model, conv, tools, tool_choice, parallel_tool_calls) for conv in prompts]
+        done = complete_many(model, [model.tokenize(p.prompt, special=True) for p in plans], max_tokens=max_tokens,
+                             stop=stop, logprobs=logprobs, max_batch=max_batch, ctx=ctx, truncate=truncate, pool=pool,
+                             page_size=page_size, kv_dtype=kv_dtype, prefix_cache=prefix_cache,
+                             step_tokens=step_tokens, threads=threads, stats=stats, progress=progress,
+                             sampling=sampling, grammar=plans[0].grammar if plans else None, **sampling_options)
+        return [tool_calls.parse_reply(p, model.tokenizer, c.tokens, c.text, c.finish_reason)
+                for p, c in zip(plans, done)]
     unknown = set(sampling_options) - SAMPLING_KEYS
     if unknown:
         raise TypeError(f"unexpected keyword arguments: {', '.join(sorted(unknown))}")

@@ -31,6 +31,7 @@ from starlette.routing import Route
 
 from ..cache.kvpool import PoolExhaustedError
 from ..errors import ChatTemplateError, ContextOverflowError
+from ..generation import tools as T
 from ..generation.generate import prompt_ids
 from ..generation.structured import constraint as make_constraint
 from . import protocol as P
@@ -176,11 +177,25 @@ class _Server:
 
     def chat_ids(self, messages: list[dict], max_tokens: int | None) -> list[int]:
         try:
-            text = self.model.format_chat(messages)
+            text = self.model.format_chat(T.check_messages(messages))
         except (ChatTemplateError, ValueError) as e:
             raise APIError(400, f"the chat template could not render these messages: {e}",
                            code="invalid_value", param="messages") from None
         return self._ids(text, max_tokens, "messages")
+
+    def tool_plan(self, messages: list[dict], tools: dict, max_tokens: int | None):
+        """(the prompt's ids, the tool plan, its compiled grammar) for a request with tools, or a 400
+        naming the field at fault (tools, tool_choice, parallel_tool_calls, messages)."""
+        try:
+            plan = T.plan(self.model, messages, **tools)
+        except T.ToolError as e:
+            message = str(e) if str(e).startswith(e.param) else f"{e.param}: {e}"
+            raise APIError(400, message, code="invalid_value", param=e.param) from None
+        except (ChatTemplateError, ValueError) as e:
+            raise APIError(400, f"the chat template could not render these messages with the tools: {e}",
+                           code="invalid_value", param="messages") from None
+        rule = make_constraint(self.model, grammar=plan.grammar) if plan.grammar is not None else None
+        return self._ids(plan.prompt, max_tokens, "messages"), plan, rule
 
     def constraint(self, keywords: dict):
         """response_format's schema compiled for the model's vocabulary (cached), or a 400."""
@@ -204,7 +219,11 @@ class _Server:
         body = await self.read_json(request)
         gen = P.parse_generation(body, self.model.config.n_vocab, chat=chat)
         rule = await run_in_threadpool(self.constraint, gen.constraint) if gen.constraint else None
-        if chat:
+        plan = None
+        if chat and gen.tools is not None:
+            ids, plan, rule = await run_in_threadpool(self.tool_plan, P.parse_messages(body), gen.tools, gen.max_tokens)
+            prompts = [ids]
+        elif chat:
             messages = P.parse_messages(body)
             prompts = [await run_in_threadpool(self.chat_ids, messages, gen.max_tokens)]
         else:
@@ -216,7 +235,7 @@ class _Server:
         if self.active >= self.engine.parallel + self.max_queue:
             raise APIError(503, f"the server is busy ({self.active} requests in progress); retry later",
                            code="server_busy")
-        job = Job(asyncio.get_running_loop(), prompts=prompts, params=gen, constraint=rule)
+        job = Job(asyncio.get_running_loop(), prompts=prompts, params=gen, constraint=rule, tool_plan=plan)
         self.active += 1
         self.engine.submit(job)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -228,7 +247,8 @@ class _Server:
                 self.metrics.latency.observe(time.monotonic() - start)
                 if not state["finished"]:
                     self.engine.cancel(job)
-            return _EventStream(self._stream(job, chat, ident, state), close)
+            events = self._stream_tools(job, ident, state) if plan is not None else self._stream(job, chat, ident, state)
+            return _EventStream(events, close)
         try:
             result = await self._collect(request, job)
         finally:
@@ -289,7 +309,11 @@ class _Server:
             if gen.want_logprobs:
                 lp = (P.chat_logprobs(tok, tokens[k], gen.top_logprobs) if chat
                       else P.completion_logprobs(tok, tokens[k], gen.top_logprobs))
-            if chat:
+            if job.tool_plan is not None:
+                message = T.parse_reply(job.tool_plan, tok, tokens[k], text, reasons[k])
+                reason = message.pop("finish_reason")
+                choices.append({"index": k, "message": message, "logprobs": lp, "finish_reason": reason})
+            elif chat:
                 choices.append({"index": k, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                                 "finish_reason": reasons[k]})
             else:
@@ -346,6 +370,48 @@ class _Server:
             prompt_tokens = sum(len(ids) for ids in job.prompts)
             yield _sse({"id": ident, "object": obj, "created": created, "model": self.model_id, "choices": [],
                         "usage": P.usage(prompt_tokens, n_tokens)})
+        yield "data: [DONE]\n\n"
+
+    async def _stream_tools(self, job: Job, ident: str, state: dict):
+        """The SSE lines of a streamed answer with tools: each choice's text goes through its own
+        CallParser, so content and `tool_calls` deltas (index, id and name first, then arguments in
+        pieces) go out as they become certain; sets state["finished"] once the job is over."""
+        gen, tok, plan = job.params, self.model.tokenizer, job.tool_plan
+        created = int(time.time())
+        extra = {"usage": None} if gen.include_usage else {}
+        parsers = [plan.parser() for _ in range(job.n_choices)]
+        n_tokens = 0
+
+        def chunk(k, delta, finish=None, lp=None):
+            choice = {"index": k, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            return _sse({"id": ident, "object": "chat.completion.chunk", "created": created, "model": self.model_id,
+                         "choices": [choice], **extra})
+
+        for k in range(job.n_choices):
+            yield chunk(k, {"role": "assistant", "content": ""})
+        try:
+            async for ev in self._events(job):
+                k, parser = ev[1], parsers[ev[1]]
+                if ev[0] == "tokens":
+                    lp = P.chat_logprobs(tok, ev[2], gen.top_logprobs) if gen.want_logprobs else None
+                    deltas = [T.delta_dict(d) for d in parser.feed(T.raw_text(tok, ev[2]))]
+                    if lp is not None and not deltas:
+                        deltas = [{}]
+                    for i, d in enumerate(deltas):
+                        yield chunk(k, d, lp=lp if i == 0 else None)
+                else:
+                    n_tokens += ev[4]
+                    for d in parser.feed(ev[3]) + parser.finish():
+                        yield chunk(k, T.delta_dict(d))
+                    yield chunk(k, {}, finish=T.finish_reason(ev[2], parser.calls))
+        except APIError as e:
+            state["finished"] = True  # the engine ended the job
+            yield _sse(e.body())
+            return
+        state["finished"] = True
+        if gen.include_usage:
+            yield _sse({"id": ident, "object": "chat.completion.chunk", "created": created, "model": self.model_id,
+                        "choices": [], "usage": P.usage(sum(len(ids) for ids in job.prompts), n_tokens)})
         yield "data: [DONE]\n\n"
 
     # ---- other routes ----

@@ -49,9 +49,11 @@ class Job:
     ("embeddings", array) or ("error", 0, exception).
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, *, prompts=(), params=None, texts=(), constraint=None):
+    def __init__(self, loop: asyncio.AbstractEventLoop, *, prompts=(), params=None, texts=(), constraint=None,
+                 tool_plan=None):
         self.loop, self.prompts, self.params, self.texts = loop, list(prompts), params, list(texts)
         self.constraint = constraint  # a compiled structured.Constraint: each choice gets its own matcher
+        self.tool_plan = tool_plan    # a chat with tools: its generation.tools.ToolPlan (the reply is parsed)
         self.mailbox: asyncio.Queue = asyncio.Queue()
         self.reqs: list[Request] = []
         self.sent: list[int] = []   # tokens of each choice already posted

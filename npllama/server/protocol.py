@@ -149,6 +149,7 @@ class Generation:
     stream: bool
     include_usage: bool
     constraint: dict = field(default_factory=dict)  # a Request's structured-output keyword
+    tools: dict | None = None  # chat: {"tools", "tool_choice", "parallel_tool_calls"} as given; None without tools
 
 
 def _refuse_unsupported(body: dict, chat: bool) -> None:
@@ -156,8 +157,8 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
     than an answer that silently ignores them (other unknown fields are ignored)."""
     given = {k: v for k, v in body.items() if v not in (None, False, [], "")}
     if chat:
-        names = [k for k in ("tools", "functions", "tool_choice", "function_call", "audio", "prediction")
-                 if k in given and not (k in ("tool_choice", "function_call") and given[k] in ("none", "auto"))]
+        names = [k for k in ("functions", "function_call", "audio", "prediction")
+                 if k in given and not (k == "function_call" and given[k] in ("none", "auto"))]
     else:
         names = [k for k in ("echo", "suffix") if k in given]
         if given.get("best_of") not in (None, 1, given.get("n", 1)):
@@ -207,8 +208,28 @@ def parse_generation(body: dict, n_vocab: int, *, chat: bool) -> Generation:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("model", f"must be a string, got {show(model)}", "invalid_type")
+    tools = parse_tools(body) if chat else None
+    constraint = parse_response_format(body)
+    if tools is not None and constraint:
+        raise _bad("response_format", "cannot be combined with tools: the tool-call grammar already constrains "
+                                      "the reply")
     return Generation(max_tokens, sampling, _stop(body), n, logprobs, want, top, stream, include_usage,
-                      parse_response_format(body))
+                      constraint, tools)
+
+
+def parse_tools(body: dict) -> dict | None:
+    """`tools`, `tool_choice` and `parallel_tool_calls` as `tools.plan` takes them (checked there
+    against the model), or None without tools; a tool_choice other than "none" or "auto"
+    without tools is a 400."""
+    tools, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise _bad("tool_choice", f"needs tools, got {show(choice)} without any")
+        return None
+    if parallel is not None and not isinstance(parallel, bool):
+        raise _bad("parallel_tool_calls", f"must be true or false, got {show(parallel)}", "invalid_type")
+    return {"tools": tools, "tool_choice": "auto" if choice is None else choice,
+            "parallel_tool_calls": True if parallel is None else parallel}
 
 
 def _content(i: int, content) -> str:
@@ -242,8 +263,11 @@ def parse_messages(body: dict) -> list[dict]:
         if role not in ROLES:
             raise _bad(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {show(role)}")
         msg = {"role": ROLES[role], "content": _content(i, m.get("content"))}
-        if isinstance(m.get("name"), str):
-            msg["name"] = m["name"]
+        for key in ("name", "tool_call_id"):
+            if isinstance(m.get(key), str):
+                msg[key] = m[key]
+        if m.get("tool_calls"):
+            msg["tool_calls"] = m["tool_calls"]  # checked with the tools (generation/tools.check_messages)
         out.append(msg)
     return out
 
