@@ -90,9 +90,11 @@ def test_a_library_without_npllama_functions_is_left_as_numba_links_it():
 
 def test_installed_and_counted_in_the_cache_key(monkeypatch):
     from npllama.kernels import cachestamp
-    assert linking.INSTALLED  # by importing npllama.kernels
-    installed = cachestamp.ModuleStamps(extra="|own-copies").stamp("kernels.nn")
-    assert cachestamp.module_stamp("kernels.nn") in (installed, cachestamp.ModuleStamps(extra="amx|own-copies").stamp("kernels.nn"))
+    assert linking.INSTALLED and linking.OUT_OF_LINE  # by importing npllama.kernels
+    installed = cachestamp.ModuleStamps(extra="|own-copies|out-of-line").stamp("kernels.nn")
+    assert cachestamp.module_stamp("kernels.nn") in (
+        installed, cachestamp.ModuleStamps(extra="amx|own-copies|out-of-line").stamp("kernels.nn"))
+    assert cachestamp.ModuleStamps(extra="|own-copies").stamp("kernels.nn") != installed
     assert cachestamp.ModuleStamps().stamp("kernels.nn") != installed
 
 
@@ -102,3 +104,94 @@ def test_a_numba_without_the_hooked_step_keeps_its_linking_with_one_warning(monk
     monkeypatch.setattr(linking.codegen.JITCPUCodegen, "_library_class", Library)
     with pytest.warns(RuntimeWarning, match="last bits may depend"):
         assert linking.install() is False
+
+
+# A kernel module added to a copy of the package: a parallel caller of an out-of-line callee.
+PROBE = textwrap.dedent('''
+    import numpy as np
+    from numba import njit, prange
+    from . import linking
+
+
+    @linking.out_of_line
+    @njit(cache=True)
+    def _callee(x, i):
+        s = 0.0
+        for j in range(x.shape[1]):
+            s += x[i, j] * (j + 1)
+        return s
+
+
+    @njit(parallel=True, cache=True)
+    def caller(x):
+        out = np.empty(x.shape[0])
+        for i in prange(x.shape[0]):
+            row = np.int64(i)  # prange's index is unsigned in the region: one signature
+            out[i] = _callee(x, row)
+        return out
+''')
+
+# argv[1]: "caller" runs the caller (compiled or loaded); "callee" compiles some other functions
+# first (Numba's names count a process's compiles), then the callee alone. Prints a record.
+PROBE_SCRIPT = textwrap.dedent('''
+    import json, sys
+    import numpy as np
+    from numba import njit
+    from npllama.kernels import linking, probe_calls as p
+    x = np.arange(15.0).reshape(5, 3)
+    record = {}
+    if sys.argv[1] == "caller":
+        record["out"] = p.caller(x).tolist()
+        record["caller_hits"] = sum(p.caller.stats.cache_hits.values())
+        library = next(iter(p.caller.overloads.values())).library
+        record["calls"] = [symbol for _, _, symbol in linking.calls_of(library)]
+        if not record["caller_hits"]:  # compiled here: its module declares the callee, holds no copy
+            record["declared"] = [f.name for f in library._final_module.functions if f.is_declaration]
+    else:
+        for k in range(3):
+            njit(lambda v, k=k: v + k)(1.0)
+        record["out"] = p._callee(x, 1)
+    record["callee"] = next(iter(p._callee.overloads.values())).fndesc.mangled_name
+    record["callee_hits"] = sum(p._callee.stats.cache_hits.values())
+    print(json.dumps(record))
+''')
+
+
+def test_an_out_of_line_callee_is_called_by_its_symbol_and_loaded_before_a_cached_caller(tmp_path):
+    """The caller's code calls the callee's own (no copy linked in); a later process loading
+    the cached caller loads the callee first; and where the callee was compiled again since,
+    under another name, the caller's saved name resolves to it."""
+    import shutil
+    from npllama.kernels import cachestamp
+    shutil.copytree(cachestamp.ROOT, tmp_path / "npllama", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "npllama" / "kernels" / "probe_calls.py").write_text(PROBE)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "NPLLAMA_KERNEL_CACHE": str(tmp_path / "kernels")}
+
+    def run(mode):
+        r = subprocess.run([sys.executable, "-c", PROBE_SCRIPT, mode], env=env, capture_output=True, text=True,
+                           cwd=tmp_path)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.splitlines()[-1])
+
+    x = np.arange(15.0).reshape(5, 3)
+    want = (x * np.arange(1, 4)).sum(axis=1).tolist()
+    first = run("caller")
+    assert first["out"] == want and first["caller_hits"] == 0
+    assert first["calls"] == [first["callee"]] and first["callee"] in first["declared"]
+    loaded = run("caller")  # the caller from the cache, its callee loaded before it
+    assert loaded["out"] == want and loaded["caller_hits"] == 1 and loaded["callee_hits"] == 1
+    assert loaded["callee"] == first["callee"]
+    for entry in (tmp_path / "kernels").rglob("probe_calls._callee*"):
+        entry.unlink()
+    again = run("callee")  # compiled anew: another name
+    assert again["out"] == want[1] and again["callee_hits"] == 0 and again["callee"] != first["callee"]
+    mapped = run("caller")  # the caller's saved name resolves to the callee's new one
+    assert mapped["out"] == want and mapped["caller_hits"] == 1 and mapped["callee_hits"] == 1
+    assert mapped["callee"] == again["callee"] and mapped["calls"] == [first["callee"]]
+
+
+def test_only_npllamas_out_of_line_functions_are_found_for_a_saved_call():
+    from npllama.engine import decode
+    assert linking.find("npllama.engine.decode", "_worker") is decode._worker
+    assert linking.find("npllama.engine.decode", "_decode_step") is None  # not called out of line
+    assert linking.find("os", "system") is None  # never imported from an entry

@@ -33,7 +33,7 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import overload
 
-from ..kernels import aligned, cacheload
+from ..kernels import aligned, cacheload, linking
 from ..kernels.aligned import _empty
 from ..kernels.attention import _BLOCK, _CHUNK, _chunk_span, _decode_chunk, _merge_chunks
 from ..kernels.paged_attention import _paged_block
@@ -307,6 +307,7 @@ def _weight(buffer, panels, entry):
     return buffer[entry[1]:entry[1] + entry[2] * entry[3]].reshape(entry[2], entry[3])
 
 
+@linking.out_of_line
 @njit(cache=True)
 def _product(ctr, slot, home, nr, mask, code, w, pan, x, xsum, xq, row, tmp, out, pair, code2, w2, out2, act):
     """Take items of ``out = W x`` from the phase at ``slot`` (``nr`` ranges, this thread's
@@ -365,6 +366,7 @@ def _adjacent(entries, n):
     return True
 
 
+@linking.out_of_line
 @njit(cache=True)
 def _product_run(ctr, slot, home, nr, mask, entries, n, buffer, panels, x, xsum, xq, row, tmp, res, offs):
     """`_product` over the first n products of a layer whose panels lie one after another in
@@ -494,6 +496,7 @@ def _private(f32, i8, n_embd, q_dim, n_ff, KVH, G, D):
             s.reshape(KVH, G, _BLOCK), tmp.reshape(1, PANEL))
 
 
+@linking.out_of_line  # compiled once, called by the parallel region
 @njit(cache=True)
 def _worker(mask, ctr, home, nr, token, pos, buffer, panels, table, attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm,
             post_attn, post_ffn, lcfg, act, embd_scale, kvs, pages, ps, cos, sin, neox, eps, scale, H, out_norm,
@@ -581,6 +584,7 @@ def _residual(x, r, post, li, eps, tmp):
         x += r
 
 
+@linking.out_of_line
 @njit(cache=True)
 def _attention(ctr, home, nr, li, pos, res, offs, n_items, q, k, v, bq, bk, bv, q_norm, k_norm, lcfg, eps, kv, pages,
                ps, cos, sin, neox, scale, part_m, part_l, part_acc, s, out, i8):
@@ -652,6 +656,7 @@ def _attention_items_jit(i8, ctr, home, nr, slot, pos, lo, q, kv, pages, ps, win
                               out))
 
 
+@linking.out_of_line
 @njit(cache=True)
 def _even_chunks(ctr, home, nr, slot, pos, lo, q, kv, pages, ps, scale, part_m, part_l, part_acc, s, out):
     """The exact mode's attention items (`_attention_items`): n_chunks chunks of the keys lo..pos
@@ -681,6 +686,7 @@ def _even_chunks(ctr, home, nr, slot, pos, lo, q, kv, pages, ps, scale, part_m, 
     _merge_chunks(part_m, part_l, part_acc, out.reshape(KVH, G, D))
 
 
+@linking.out_of_line
 @njit(cache=True)
 def _fixed_chunks(ctr, home, nr, slot, pos, lo, q, kv, pages, ps, window, scale, part_m, part_l, part_acc, out):
     """int8 mode's attention items (`_attention_items`): the chunks at multiples of _CHUNK from the

@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ..kernels import linking
 from ..kernels.aligned import _empty
 from ..kernels.f16 import bits
 from ..kernels.nn import _rmsnorm_row, _rope_row
@@ -106,6 +107,7 @@ def _layers(mask, x, positions, slots, tables, blk_seq, blk_row, blk_pos, blk_le
                 sin, neox, eps, scale, xe, xa, xf, h, q, k, v, qn, kn, a, o, f, d)
 
 
+@linking.out_of_line  # compiled once, called by the parallel region
 @njit(cache=True)
 def _worker(mask, home, nt, ctr, x, positions, slots, tables, blk_seq, blk_row, blk_pos, blk_len, buffer, panels, table,
             attn_norm, ffn_norm, bq, bk, bv, q_norm, k_norm, post_attn, post_ffn, lcfg, act, kvs, cos, sin, neox,
@@ -173,6 +175,7 @@ def _row_form(xr, t):
     return (xr[0][t:t + 1], xr[1][t:t + 1], xr[2][t:t + 1], xr[3][t:t + 1])
 
 
+@linking.out_of_line
 @njit(cache=True)
 def _token_rows(ctr, slot, home, nt, x, r, post, li, add, w, norm, eps, h, xr):
     """Per token t (the items): x[t] += r[t], or its norm by post[li] where the architecture
@@ -195,6 +198,7 @@ def _token_rows(ctr, slot, home, nt, x, r, post, li, add, w, norm, eps, h, xr):
     _wait(ctr, slot, nt, T)
 
 
+@linking.out_of_line
 @njit(cache=True)
 def _quantize_phase(ctr, slot, home, nt, src, xr):
     """Per token t (the items): row t of src quantized into row t of xr."""
@@ -210,6 +214,7 @@ def _quantize_phase(ctr, slot, home, nt, src, xr):
     _wait(ctr, slot, nt, T)
 
 
+@linking.out_of_line
 @njit(cache=True)
 def _token_qkv(ctr, slot, home, nt, li, q, k, v, qr, kr, bq, bk, bv, q_norm, k_norm, lcfg, positions, cos, sin, neox,
                eps, kv, slots):
@@ -240,6 +245,7 @@ def _token_qkv(ctr, slot, home, nt, li, q, k, v, qr, kr, bq, bk, bv, q_norm, k_n
     _wait(ctr, slot, nt, T)
 
 
+@linking.out_of_line
 @njit(cache=True)
 def _panel_phase(mask, ctr, slot, home, nt, buffer, panels, e, s0, s1, xr, out0, out1, out2, tmp, tmp2, wb, act):
     """The panels of products s0..s1-1 of a layer's table entries e (q, k and v: 0..2, into

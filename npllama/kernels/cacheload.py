@@ -65,6 +65,7 @@ from numba.core import caching, codegen, config, environment, sigutils
 from numba.core.compiler_lock import global_compiler_lock
 from numba.core.runtime import _nrt_python, nrtdynmod, rtsys
 
+from . import linking
 from .cachestamp import _KernelCache, _numba
 
 _log = logging.getLogger("npllama")
@@ -167,12 +168,14 @@ class _LazyLoad(caching.CompileResultCacheImpl):
         if not self._ours():
             return payload
         name, kind, data = payload[0]
-        return defined_names(cres.library), _digest(kind, data), _environments_rebuilt_here(payload)
+        calls = [(d.py_func.__module__, d.py_func.__qualname__, args, symbol)
+                 for d, args, symbol in linking.calls_of(cres.library)]
+        return defined_names(cres.library), _digest(kind, data), _environments_rebuilt_here(payload), calls
 
     def rebuild(self, target_context, payload):
-        if not (self._ours() and len(payload) == 3 and isinstance(payload[0], list)):  # Numba's own form
+        if not (self._ours() and len(payload) == 4 and isinstance(payload[0], list)):  # Numba's own form
             return super().rebuild(target_context, payload)
-        names, digest, payload = payload
+        names, digest, payload, calls = payload
         name, kind, data = payload[0]
         if digest != _digest(kind, data):
             raise _DamagedEntry(f"the machine code of {name} does not match its checksum")
@@ -180,10 +183,12 @@ class _LazyLoad(caching.CompileResultCacheImpl):
         symbols = getattr(cg._engine, "_defined_symbols", None)
         if kind != "object" or not isinstance(symbols, set):  # loaded as Numba loads it
             return super().rebuild(target_context, payload)
+        calls = [_load_callee(*call) for call in calls]
 
         def unserialize(state):  # asked for by CompileResult._rebuild after the entry's reload_init
             library = load_library(cg, name, *data)
             symbols.update(names)
+            library._npllama_calls = calls  # its bitcode's calls, for a caller that links it in
             return library
 
         cg.unserialize_library = unserialize
@@ -191,6 +196,27 @@ class _LazyLoad(caching.CompileResultCacheImpl):
             return super().rebuild(target_context, payload)
         finally:
             del cg.unserialize_library
+
+
+def _load_callee(module: str, qualname: str, args: tuple, symbol: str) -> tuple:
+    """Before a cached kernel that calls `module.qualname` (an `out_of_line` function) for the
+    argument types `args` by `symbol` loads: that function loaded from the cache, or compiled,
+    and `symbol` resolving to it where this process knows it by another name (linking's
+    docstring); the call as `linking.calls_of` gives it. Raises LookupError where it is not an
+    `out_of_line` function any more (the entry is then compiled anew)."""
+    dispatcher = linking.find(module, qualname)
+    if dispatcher is None:
+        raise LookupError(f"{module}.{qualname} is not a function called out of line")
+    if not load_cached(dispatcher, args):
+        dispatcher.compile(args)
+    cres = dispatcher.overloads[tuple(args)]
+    own = cres.fndesc.mangled_name
+    if own != symbol:
+        address = cres.library.get_pointer_to_function(own)
+        if not address:
+            raise LookupError(f"the code of {module}.{qualname} does not define {own}")
+        ll.add_symbol(symbol, address)
+    return dispatcher, tuple(args), symbol
 
 
 class _DamagedEntry(Exception):

@@ -153,7 +153,8 @@ class ModuleStamps:
 def _stamps() -> ModuleStamps:
     """npllama's closure stamps as this process compiles: with its import-time choices (once a
     process)."""
-    return ModuleStamps(extra=("amx" if AMX else "") + ("|own-copies" if linking.INSTALLED else ""))
+    return ModuleStamps(extra=("amx" if AMX else "") + ("|own-copies" if linking.INSTALLED else "")
+                        + ("|out-of-line" if linking.OUT_OF_LINE else ""))
 
 
 def module_stamp(module: str) -> str:

@@ -16,16 +16,30 @@ depends on its source and its callees' alone. The copies keep their linkage, so 
 as it did (internal copies, inlined more, made the decode step's compile 25% longer). The
 cache keys on this (`cachestamp`'s stamps count `INSTALLED`), so code linked the old way is
 never loaded beside it.
+
+A few large functions are called rather than copied (`out_of_line`): the workers that the fused
+decode step and the packed layers run on every thread. Linked in, such a worker is optimized
+and emitted again inside the parallel region that calls it, and that region again inside its
+kernel: the decode step's compile spent most of its minute re-optimizing code compiled once
+already. Called, it is compiled once, and a caller's machine code refers to its symbol (which
+also settles whose copy runs: there is one). A cached caller then needs its callee loaded
+first, under the name it was compiled against: `calls_of` tells what a library calls, the
+cache saves it with the entry, and loading the entry loads the callee first (`cacheload`),
+mapping the saved name to the callee's address where a later compile named it otherwise
+(Numba's mangled names count the process's compiles). This needs npllama's cache loading, so
+it is switched on only beside it (`install_out_of_line`).
 """
 from __future__ import annotations
 
 import hashlib
+import importlib
 import warnings
 
 import llvmlite.binding as ll
 from numba.core import codegen
 
 INSTALLED = False
+OUT_OF_LINE = False  # `out_of_line` functions are called, not linked in (`install_out_of_line`)
 _OWN = "7npllama"   # in the mangled names of npllama's functions (_ZN7npllama7kernels...)
 
 
@@ -69,4 +83,70 @@ def install() -> bool:
 
     cls._optimize_final_module = _optimize_final_module
     INSTALLED = True
+    return True
+
+
+_out_of_line: list = []  # the dispatchers `out_of_line` registered
+
+
+def out_of_line(dispatcher):
+    """Decorator for a jitted function: its callers call its own machine code rather than link
+    in a copy (the module's docstring). For large functions called once per parallel thread,
+    whose call costs nothing beside their work."""
+    _out_of_line.append(dispatcher)
+    return dispatcher
+
+
+def _callee(library) -> tuple | None:
+    """(dispatcher, argument types, symbol) of the `out_of_line` function whose code library
+    `library` is; None for any other library."""
+    for dispatcher in _out_of_line:
+        for args, cres in list(dispatcher.overloads.items()):
+            if cres.library is library:
+                return dispatcher, args, cres.fndesc.mangled_name
+    return None
+
+
+def calls_of(library) -> list[tuple]:
+    """The `out_of_line` functions that `library`'s code calls by symbol (`_callee`'s triples)."""
+    return list(getattr(library, "_npllama_calls", ()))
+
+
+def find(module: str, qualname: str):
+    """The `out_of_line` dispatcher of `module`'s function `qualname`, importing `module` (one
+    of npllama's) where it is not yet; None where there is none."""
+    if not module.startswith("npllama."):
+        return None
+    importlib.import_module(module)
+    for dispatcher in _out_of_line:
+        if (dispatcher.py_func.__module__, dispatcher.py_func.__qualname__) == (module, qualname):
+            return dispatcher
+    return None
+
+
+def install_out_of_line() -> bool:
+    """Call `out_of_line` functions rather than link them in, from now on (once; the module's
+    docstring): what `add_linking_library` is handed of theirs is recorded in the caller's
+    library (`calls_of`) instead of linked. False where this Numba's code library lacks that
+    step."""
+    global OUT_OF_LINE
+    cls = _library_class()
+    original = getattr(cls, "add_linking_library", None)
+    if original is None or not hasattr(cls, "_ensure_finalized"):
+        return False
+    if OUT_OF_LINE:
+        return True
+
+    def add_linking_library(self, library):
+        callee = _callee(library)
+        calls = [callee] if callee is not None else calls_of(library)
+        if calls:
+            self._npllama_calls = calls_of(self) + [c for c in calls if c not in calls_of(self)]
+        if callee is None:
+            original(self, library)
+        else:
+            library._ensure_finalized()
+
+    cls.add_linking_library = add_linking_library
+    OUT_OF_LINE = True
     return True

@@ -34,6 +34,7 @@ from numba.extending import overload
 
 from .attention import (_BLOCK, _CHUNK, _FASTMATH, _ROWS, _add_records, _add_values_many, _chunk_span, _merge_head,
                         _records_fit, _rescale, _score_block, _score_records)
+from . import linking
 from .aligned import _empty
 from .f16 import _ld_row, _st, bits
 from .quants import _touch_lines
@@ -213,6 +214,7 @@ def _task_heads(KVH, nb):
     return KVH if nb < _WHOLE_BLOCKS else 1
 
 
+@linking.out_of_line
 @njit(fastmath=_FASTMATH, cache=True)
 def _paged_task(task, per, q, kv, tables, blk_seq, blk_row, blk_pos, blk_len, scale, window, out):
     """Task `task` of the paged kernel (`per` tasks a block, `_task_heads`): its query
