@@ -10,7 +10,8 @@ Reports:
   token (computing, applying and advancing llguidance's mask along the constrained tokens);
 * with tool_choice="auto", sampled (temperature 0.7) over prompts that do and do not call for a
   tool: the share of answers that are valid calls (known tool, arguments valid under its schema)
-  or clean text (no markup), and how many were each.
+  or clean text (no markup), and how many were each. `--max-tokens` (default 512) is large enough
+  that the answers end on their own; the count of answers cut by it is reported apart.
 """
 from __future__ import annotations
 
@@ -89,12 +90,13 @@ def grammar_cost(model, n_tokens: int = 48) -> dict:
             "ratio": min(free) / min(bound), "mask_ms": 1000 * statistics.median(matcher_times)}
 
 
-def auto_share(model, seeds: int) -> dict:
-    counts = {"calls": 0, "text": 0, "bad": 0}
+def auto_share(model, seeds: int, max_tokens: int) -> dict:
+    counts = {"calls": 0, "text": 0, "bad": 0, "cut": 0}
     for p in PROMPTS:
         for seed in range(seeds):
-            m = model.chat(user(p), tools=TOOLS, temperature=0.7, seed=seed, max_tokens=96)
+            m = model.chat(user(p), tools=TOOLS, temperature=0.7, seed=seed, max_tokens=max_tokens)
             calls = m.get("tool_calls", [])
+            counts["cut"] += m["finish_reason"] == "length"
             ok = m["finish_reason"] in ("stop", "tool_calls")
             try:
                 for call in calls:
@@ -107,7 +109,7 @@ def auto_share(model, seeds: int) -> dict:
                 counts["text"] += 1
             else:
                 counts["bad"] += 1
-    total = sum(counts.values())
+    total = counts["calls"] + counts["text"] + counts["bad"]
     return {**counts, "total": total, "share": (counts["calls"] + counts["text"]) / total}
 
 
@@ -115,6 +117,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=512)
     args = ap.parse_args()
     numba.set_num_threads(args.threads)
     model = npllama.load()
@@ -122,9 +125,9 @@ def main() -> None:
     g = grammar_cost(model)
     print(f"grammar cost ({g['tokens']} tokens, greedy): {g['grammar_tps']:.1f} tok/s with the tool grammar, "
           f"{g['free_tps']:.1f} without ({g['ratio']:.3f}x); mask {g['mask_ms']:.3f} ms per token")
-    a = auto_share(model, args.seeds)
-    print(f"auto, temperature 0.7, {a['total']} answers: {a['share']:.1%} valid calls or clean text "
-          f"({a['calls']} calls, {a['text']} text, {a['bad']} neither)")
+    a = auto_share(model, args.seeds, args.max_tokens)
+    print(f"auto, temperature 0.7, max_tokens {args.max_tokens}, {a['total']} answers: {a['share']:.1%} valid calls "
+          f"or clean text ({a['calls']} calls, {a['text']} text, {a['bad']} neither; {a['cut']} cut by max_tokens)")
 
 
 if __name__ == "__main__":

@@ -9,12 +9,15 @@ of the llama-cpp-python 0.3.36 sdist (unpacked, not built):
     /tmp/hfref/bin/python bench/make_tool_fixtures.py \\
         /tmp/sdist/llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates
 
-Writes the templates of the formats npllama constrains (a few KB each) and, for each one and
-each conversation below, HF's ``render_jinja_template(..., tools=TOOLS, add_generation_prompt=True)``.
+Writes every template of the collection that reads `tools` (and SmolLM3's, which does not),
+each once, and for each one and each conversation below HF's ``render_jinja_template(...,
+tools=TOOLS, add_generation_prompt=True)``; a rendering HF itself cannot make (the template
+raises) is left out and listed under "skipped" with HF's error.
 """
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -22,9 +25,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "chat_tools.json"
 
-TEMPLATES = ["Qwen-Qwen2.5-7B-Instruct", "Qwen-Qwen3-0.6B", "HuggingFaceTB-SmolLM3-3B",
-             "NousResearch-Hermes-3-Llama-3.1-8B-tool_use", "meta-llama-Llama-3.1-8B-Instruct",
-             "meta-llama-Llama-3.2-3B-Instruct", "mistralai-Mistral-Nemo-Instruct-2407"]
+ALSO = ["HuggingFaceTB-SmolLM3-3B"]  # reads no `tools` in this collection (the generic format)
 
 TOOLS = [
     {"type": "function", "function": {
@@ -52,17 +53,25 @@ OPTIONS = {"bos_token": "<s>", "eos_token": "</s>", "date_string": "26 Jul 2024"
 
 def main(folder: str) -> None:
     root = Path(folder)
-    templates = {name: (root / f"{name}.jinja").read_text() for name in TEMPLATES}
-    cases = []
+    templates = {p.stem: p.read_text() for p in sorted(root.glob("*.jinja"))
+                 if p.stem in ALSO or re.search(r"\btools\b", p.read_text())}
+    cases, skipped = [], {}
     for name, text in templates.items():
         for i, messages in enumerate(CONVERSATIONS):
-            rendered = render_jinja_template([messages], tools=TOOLS, chat_template=text, add_generation_prompt=True,
-                                             **OPTIONS)[0][0]
+            try:
+                rendered = render_jinja_template([messages], tools=TOOLS, chat_template=text,
+                                                 add_generation_prompt=True, **OPTIONS)[0][0]
+            except Exception as e:  # noqa: BLE001 (any error of the template: HF cannot render it)
+                skipped[f"{name}/{i}"] = f"{type(e).__name__}: {e}"
+                continue
             cases.append({"template": name, "conversation": i, "rendered": rendered})
     OUT.write_text(json.dumps({"reference": "transformers render_jinja_template", "tools": TOOLS,
                                "conversations": CONVERSATIONS, "options": OPTIONS, "templates": templates,
-                               "cases": cases}, indent=1, ensure_ascii=False) + "\n")
-    print(f"wrote {OUT} ({len(cases)} renderings, {OUT.stat().st_size} bytes)")
+                               "cases": cases, "skipped": skipped}, indent=1, ensure_ascii=False) + "\n")
+    print(f"wrote {OUT} ({len(templates)} templates, {len(cases)} renderings, {len(skipped)} skipped, "
+          f"{OUT.stat().st_size} bytes)")
+    for key, error in skipped.items():
+        print(f"  skipped {key}: {error[:150]}")
 
 
 if __name__ == "__main__":

@@ -1,19 +1,24 @@
 """Tool calling (npllama.generation.tools): parsing each format, streamed at every cut; the
-checks of tools, tool_choice and messages; the templates' renderings with tools against HF's
-(tests/fixtures/chat_tools.json, made by bench/make_tool_fixtures.py); and, on the default model,
-calls decoded under the grammar with its own template and with other formats' templates spliced
-into a copy of its GGUF."""
+checks of tools, tool_choice and messages; every tool template of llama.cpp's collection rendered
+with tools against HF (tests/fixtures/chat_tools.json, made by bench/make_tool_fixtures.py), its
+format recognised, and the call it writes accepted by that format's grammar and parsed back; the
+control-token markers on a real vocabulary; and, on the default model, calls decoded under the
+grammar with its own template and with other formats' templates spliced into a copy of its GGUF."""
 from __future__ import annotations
 
 import itertools
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
 
 from npllama.generation import tools as T
+from npllama.generation.structured import constraint
+from npllama.gguf.reader import read_metadata
 from npllama.text.chat import format_chat
+from npllama.text.tokenizer import Tokenizer
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "chat_tools.json").read_text())
 TOOLS = FIXTURE["tools"]
@@ -24,8 +29,12 @@ def _ids():
     return map("id{}".format, itertools.count()).__next__
 
 
+KINDS = {"get_weather": {"city": "string", "unit": "string"}, "add": {"a": "json", "b": "json"},
+         "flags": {"on": "json", "tags": "json", "note": "string"}}
+
+
 def parse(fmt, pieces) -> dict:
-    p = T.CallParser(fmt, make_id=_ids())
+    p = T.ToolPlan("", None, fmt, "auto", KINDS).parser(make_id=_ids())
     deltas = [d for piece in pieces for d in p.feed(piece)] + p.finish()
     return T.assemble(deltas)
 
@@ -49,6 +58,19 @@ DOC_REPLIES = [
     (T.LLAMA3, '{"name": "get_weather", "parameters": {"city": "Tokyo", "days": 3}}', None,
      [("get_weather", {"city": "Tokyo", "days": 3})]),
     (T.LLAMA3, 'The weather is {"sunny"}.', 'The weather is {"sunny"}.', []),
+    (T.MISTRAL_ARGS, 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris {\\"x\\"}", "unit": "celsius"}'
+                     '[TOOL_CALLS]add[ARGS]{"a": 1, "b": [2, {"c": "]"}]}', "Checking.",
+     [("get_weather", {"city": 'Paris {"x"}', "unit": "celsius"}), ("add", {"a": 1, "b": [2, {"c": "]"}]})]),
+    (T.MISTRAL_ARGS, "No [TOOL_CALL here.", "No [TOOL_CALL here.", []),
+    (T.QWEN3_CODER, 'I will look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew "York"\n</par\nline\n'
+                    '</parameter>\n<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n'
+                    '<function=flags>\n<parameter=on>\nTrue\n</parameter>\n<parameter=tags>\n["a", "b"]\n</parameter>\n'
+                    '<parameter=note>\n\n</parameter>\n</function>\n</tool_call>', "I will look.\n",
+     [("get_weather", {"city": 'New "York"\n</par\nline', "unit": "celsius"}),
+      ("flags", {"on": True, "tags": ["a", "b"], "note": ""})]),
+    (T.QWEN3_CODER, "<tool_call>\n<function=now>\n</function>\n</tool_call>", None, [("now", {})]),
+    (T.QWEN3_CODER, "<tool_call>\n<function=add>\n<parameter=a>\n-1</parameter>\n<parameter=b>\n2\n</parameter>\n"
+                    "</function>\n</tool_call>", None, [("add", {"a": -1, "b": 2})]),  # no line break before a closer
     (T.GENERIC, '{"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_weather", '
                 '"arguments": {"city": "Nice"}}]}', None, [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Nice"})]),
     (T.GENERIC, '{"response": "Caf\\u00e9 \\ud83c\\udf89 \\"ok\\"\\n\\\\ done"}', 'Café 🎉 "ok"\n\\ done', []),
@@ -129,16 +151,166 @@ def test_messages_checked_and_arguments_decoded():
 
 # ---- templates -------------------------------------------------------------------------------
 
-FORMAT_OF = {"Qwen-Qwen2.5-7B-Instruct": "hermes", "Qwen-Qwen3-0.6B": "hermes", "HuggingFaceTB-SmolLM3-3B": "generic",  # it reads xml_tools, not tools
-             "NousResearch-Hermes-3-Llama-3.1-8B-tool_use": "hermes", "meta-llama-Llama-3.1-8B-Instruct": "llama3",
-             "meta-llama-Llama-3.2-3B-Instruct": "llama3", "mistralai-Mistral-Nemo-Instruct-2407": "mistral"}
+# The format of every template in the fixture, from reading what each one writes for a call;
+# the others (GLM's <arg_key>, Kimi's, MiniMax's <invoke>, LFM2's pythonic, Command R's, ...) are
+# refused with a ValueError.
+KNOWN = {
+    "hermes": ["Bielik-11B-v3.0-Instruct", "MiMo-VL", "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use",
+               "NousResearch-Hermes-3-Llama-3.1-8B-tool_use", "Qwen-QwQ-32B", "Qwen-Qwen2.5-7B-Instruct",
+               "Qwen-Qwen3-0.6B", "Reka-Edge", "ibm-granite-granite-4.0", "ibm-granite-granite-4.1"],
+    "qwen3_coder": ["NVIDIA-Nemotron-3-Nano-30B-A3B-BF16", "Qwen3-Coder", "Qwen3.5-4B", "StepFun3.5-Flash"],
+    "mistral_args": ["Mistral-Small-3.2-24B-Instruct-2506", "mistralai-Ministral-3-14B-Reasoning-2512",
+                     "unsloth-mistral-Devstral-Small-2507"],
+    "mistral": ["mistralai-Mistral-Nemo-Instruct-2407"],
+    "llama3": ["meta-llama-Llama-3.1-8B-Instruct", "meta-llama-Llama-3.2-3B-Instruct",
+               "meta-llama-Llama-3.3-70B-Instruct"],
+    "generic": ["HuggingFaceTB-SmolLM3-3B"],  # this collection's SmolLM3 template reads no tools (nor xml_tools)
+}
+FORMAT_OF = {name: fmt for fmt, names in KNOWN.items() for name in names}
 
 
 def test_formats_detected_from_real_templates():
-    assert {name: T.detect_format(text).name for name, text in FIXTURE["templates"].items()} == FORMAT_OF
+    for name, text in FIXTURE["templates"].items():
+        if name in FORMAT_OF:
+            assert T.detect_format(text).name == FORMAT_OF[name], name
+        else:
+            with pytest.raises(ValueError, match="format npllama does not know|cannot render a tool call"):
+                T.detect_format(text)
     assert T.detect_format(None) is T.GENERIC
-    with pytest.raises(ValueError, match="Qwen3-Coder"):
-        T.detect_format("{% for t in tools %}<function={{ t.name }}><parameter=x>{% endfor %}")
+    assert len(FIXTURE["templates"]) - len(FORMAT_OF) == 41
+
+
+# The call of conversation 1 (get_weather, Paris, celsius) as each format's grammar must take it,
+# and the part of it that the templates write into the history (Nemo adds an "id" after the
+# arguments; Mistral Small 3.2 a [CALL_ID] before them, which the grammar does not ask for).
+WRITTEN = {
+    "hermes": ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
+               None),
+    "qwen3_coder": ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=unit>\n"
+                    "celsius\n</parameter>\n</function>\n</tool_call>", None),
+    "mistral_args": ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}', None),
+    "mistral": ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]',
+                '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}'),
+    "llama3": ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', None),
+}
+
+
+@pytest.fixture(scope="module")
+def smol_vocab(default_model_path):
+    """The default model's tokenizer, as a stand-in model for compiling grammars."""
+    return _vocab_model(Tokenizer.from_metadata(read_metadata(default_model_path)))
+
+
+def _vocab_model(tok):
+    return SimpleNamespace(tokenizer=tok, config=SimpleNamespace(n_vocab=tok.n_vocab))
+
+
+@pytest.mark.parametrize("name", sorted(n for n in FORMAT_OF if FORMAT_OF[n] != "generic"))
+def test_grammar_takes_the_call_the_template_writes(smol_vocab, name):
+    fmt, (text, written) = T.FORMATS[FORMAT_OF[name]], WRITTEN[FORMAT_OF[name]]
+    case = next(c for c in FIXTURE["cases"] if c["template"] == name and c["conversation"] == 1)
+    assert (written or text) in case["rendered"].replace("[CALL_ID]abc123XYZ", "")
+    tools = T.check_tools(TOOLS)
+    for choice, parallel in [("required", False), ("required", True), ("auto", True)]:
+        rule = constraint(smol_vocab, grammar=T.grammar(fmt, smol_vocab.tokenizer, tools, choice, ["get_weather", "add"],
+                                                        parallel))
+        assert rule.accepts(text) and not rule.accepts(text.replace("celsius", "kelvin"))
+        assert rule.accepts(text + text) == (parallel and fmt.shape != "leading" and fmt.shape != "array")
+    none = constraint(smol_vocab, grammar=T.grammar(fmt, smol_vocab.tokenizer, tools, "none", ["add"], True))
+    assert not none.accepts(text) and none.accepts("It is sunny.")
+    kinds = {t["function"]["name"]: {p[0]: p[3] for p in T.xml_params(t)} for t in tools}
+    message = T.assemble(T.ToolPlan("", None, fmt, "auto", kinds).parser().feed(text))
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"})]
+
+
+@pytest.mark.parametrize("params,match", [
+    ({"type": "object", "properties": {"q": {"type": "string", "pattern": "^a"}}}, r"keywords \['pattern'\]"),
+    ({"type": "object", "properties": {"q": {"type": ["string", "null"]}}}, "no single type"),
+    ({"type": "object", "properties": {"q": {}}}, "no single type"),
+    ({"type": "object", "additionalProperties": {"type": "integer"}}, "listed properties only"),
+    ({"type": "object", "properties": {}, "required": ["q"]}, "not among its properties"),
+])
+def test_xml_refuses_schemas_it_cannot_hold(params, match):
+    tool = T.check_tools([{"type": "function", "function": {"name": "f", "parameters": params}}])[0]
+    with pytest.raises(T.ToolError, match=match) as e:
+        T.xml_params(tool)
+    assert e.value.param == "tools"
+
+
+def test_xml_values_held_to_each_parameters_schema(smol_vocab):
+    tools = T.check_tools([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0}, "s": {"type": "string", "maxLength": 3},
+                                         "on": {"type": "boolean"}, "xs": {"type": "array", "items": {"type": "number"}}},
+        "required": ["n"]}}}])
+    rule = constraint(smol_vocab, grammar=T.grammar(T.QWEN3_CODER, smol_vocab.tokenizer, tools, "required", ["f"], False))
+
+    def call(*params):
+        body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params)
+        return f"<tool_call>\n<function=f>\n{body}</function>\n</tool_call>"
+    assert rule.accepts(call(("n", "3"), ("s", "a\nb"), ("on", "True"), ("xs", "[1.5, -2]")))
+    assert rule.accepts(call(("n", "0"), ("on", "false")))
+    assert rule.accepts(call(("n", "0"), ("s", "abc")).replace("abc\n</", "abc</"))
+    for bad in [call(("n", "-1")), call(("n", "1.5")), call(("n", "1"), ("s", "abcd")), call(("s", "a")),
+                call(("n", "1"), ("on", "yes")), call(("n", "1"), ("xs", "[1,2]")), call(("n", "1"), ("z", "1")),
+                call(("s", "a"), ("n", "1"))]:
+        assert not rule.accepts(bad), bad
+
+
+# ---- control-token markers on a real vocabulary ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama3_vocab():
+    """Llama 3's vocabulary (llama.cpp's ggml-vocab-llama-bpe.gguf) with three of its reserved
+    control tokens named as the tool formats' markers: 128010 is <|python_tag|> in Llama 3.1 (the
+    same vocabulary otherwise); 128011 and 128012 stand in for the [TOOL_CALLS] and [ARGS] control
+    tokens of Mistral's vocabularies, none of which llama.cpp ships."""
+    from llama_vocabs import VocabFetchError, vocab_dir
+    try:
+        path = vocab_dir() / "ggml-vocab-llama-bpe.gguf"
+    except VocabFetchError as e:
+        pytest.skip(f"llama.cpp's vocabularies are not available: {e}")
+    meta = dict(read_metadata(path))
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    assert tokens[128010:128013] == [f"<|reserved_special_token_{i}|>" for i in (5, 6, 7)]
+    tokens[128010:128013] = ["<|python_tag|>", "[TOOL_CALLS]", "[ARGS]"]
+    return _vocab_model(Tokenizer.from_metadata({**meta, "tokenizer.ggml.tokens": tokens}))
+
+
+def _tokens(tok, ids):
+    return [SimpleNamespace(id=i, text="" if tok.is_special(i) else tok.decode([i])) for i in ids]
+
+
+@pytest.mark.parametrize("fmt,marker", [(T.LLAMA3, 128010), (T.MISTRAL_ARGS, 128011)])
+def test_control_token_markers(llama3_vocab, fmt, marker):
+    tok, tools = llama3_vocab.tokenizer, T.check_tools(TOOLS)
+    assert T._marker(tok, fmt.trigger) == (f"<[{marker}]>", True)
+    args = '{"city": "Paris"}'
+    if fmt is T.MISTRAL_ARGS:
+        body = [marker] + tok.encode("get_weather", add_bos=False) + [128012] + tok.encode(args, add_bos=False)
+    else:
+        body = [marker] + tok.encode('{"name": "get_weather", "parameters": ' + args + "}", add_bos=False)
+    required = constraint(llama3_vocab, grammar=T.grammar(fmt, tok, tools, "required", ["get_weather"], False)).matcher()
+    allowed = required.allowed()
+    if fmt is T.MISTRAL_ARGS:  # the marker is forced, as its control token: not as text ("[" ...)
+        assert allowed.nonzero()[0].tolist() == [marker]
+    else:  # Llama 3.1: the call follows the tag, or opens the reply bare
+        assert allowed[marker] and allowed[tok.encode("{", add_bos=False)[0]]
+    for i in body:
+        assert required.allowed()[i], tok.decode([i])
+        if fmt is T.MISTRAL_ARGS and i == 128012:
+            assert required.allowed().nonzero()[0].tolist() == [128012]  # [ARGS] forced after the name
+        required.consume(i)
+    assert required.accepting
+    auto = constraint(llama3_vocab, grammar=T.grammar(fmt, tok, tools, "auto", ["get_weather"], True)).matcher()
+    assert auto.allowed()[marker] and auto.allowed()[tok.encode("Hi", add_bos=False)[0]]
+    none = constraint(llama3_vocab, grammar=T.grammar(fmt, tok, tools, "none", ["get_weather"], True)).matcher()
+    assert not none.allowed()[marker]
+    text = T.raw_text(tok, _tokens(tok, body))  # the marker's text written back, as generation drops it
+    assert text.startswith(fmt.trigger)
+    message = T.assemble(T.ToolPlan("", None, fmt, "auto").parser().feed(text))
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
+        ("get_weather", {"city": "Paris"})] and message["content"] is None
 
 
 @pytest.mark.parametrize("case", FIXTURE["cases"], ids=lambda c: f"{c['template']}-{c['conversation']}")
@@ -154,7 +326,7 @@ def test_renderings_with_tools_equal_hf(case):
 # ---- on the default model --------------------------------------------------------------------
 
 WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
-GREEDY = dict(temperature=0, max_tokens=96)
+GREEDY = dict(temperature=0, max_tokens=256)  # room for MAX_CALLS parallel calls: replies end on their own
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +353,8 @@ def spliced(default_model_path, tmp_path_factory):
     import npllama
     folder = tmp_path_factory.mktemp("spliced")
     picks = {"hermes": "Qwen-Qwen2.5-7B-Instruct", "llama3": "meta-llama-Llama-3.1-8B-Instruct",
-             "mistral": "mistralai-Mistral-Nemo-Instruct-2407"}
+             "mistral": "mistralai-Mistral-Nemo-Instruct-2407", "qwen3_coder": "Qwen3-Coder",
+             "mistral_args": "Mistral-Small-3.2-24B-Instruct-2506"}
     return {fmt: npllama.load(splice(default_model_path, folder / f"{fmt}.gguf", FIXTURE["templates"][name]))
             for fmt, name in picks.items()}
 
@@ -208,7 +381,8 @@ def _without_ids(message):
 def test_required_named_none_auto(model):
     m = model.chat(WEATHER, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, **GREEDY)
     assert len(assert_valid_calls(m, most=1)) == 1 and m["finish_reason"] == "tool_calls"
-    m = model.chat(WEATHER, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}}, **GREEDY)
+    m = model.chat(WEATHER, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}},
+                   parallel_tool_calls=False, **GREEDY)  # (with parallel calls the 135M model repeats the call 8 times)
     assert assert_valid_calls(m, allowed={"add"})
     m = model.chat(WEATHER, tools=TOOLS, tool_choice="none", **GREEDY)
     assert "tool_calls" not in m and m["content"] and m["finish_reason"] in ("stop", "length")
@@ -258,7 +432,7 @@ def test_session_agent_loop(model):
 
 @pytest.mark.model
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral"])
+@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral", "qwen3_coder", "mistral_args"])
 def test_each_format_end_to_end(spliced, fmt):
     model = spliced[fmt]
     assert T.detect_format(model.tokenizer.chat_template).name == fmt

@@ -1,6 +1,6 @@
 """Tool calling through `npllama serve` with the official `openai` client, on the default model
 (its own template: the generic JSON format): required, named, none, auto, streaming equal to
-the whole answer, a three-turn agent loop, parallel_tool_calls, and the 400s."""
+the whole answer (logprobs included), a three-turn agent loop, parallel_tool_calls, and the 400s."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,7 @@ from test_tools import SCHEMAS, TOOLS, WEATHER
 pytestmark = [pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning"),
               pytest.mark.timeout(600), pytest.mark.model, pytest.mark.slow]
 
-GREEDY = dict(model="m", temperature=0, max_tokens=96)
+GREEDY = dict(model="m", temperature=0, max_tokens=256)  # room for MAX_CALLS parallel calls
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +73,19 @@ def test_stream_equals_whole(server):
     assert finish == whole.finish_reason and content == (whole.message.content or "")
     assert [calls[i] for i in sorted(calls)] == [{"name": t.function.name, "arguments": t.function.arguments}
                                                  for t in whole.message.tool_calls]
+
+
+def test_streamed_logprobs_with_tools_equal_whole(server):
+    c = server.client()
+    opts = dict(messages=WEATHER, tools=TOOLS, tool_choice="required", logprobs=True, top_logprobs=2, **GREEDY)
+    whole = c.chat.completions.create(**opts)
+    streamed = [lp for chunk in c.chat.completions.create(stream=True, **opts) if chunk.choices
+                for lp in (chunk.choices[0].logprobs.content if chunk.choices[0].logprobs else None) or []]
+    expected = whole.choices[0].logprobs.content
+    assert len(expected) == whole.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in expected)
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in expected]
+    text = "".join(t.token for t in expected)
+    assert whole.choices[0].message.tool_calls[0].function.name in text  # the call's own tokens, markup and all
 
 
 def test_three_turn_agent_loop(server):

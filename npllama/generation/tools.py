@@ -6,17 +6,24 @@ template and vocabulary, renders the prompt, and returns a `ToolPlan`: the promp
 grammar (llguidance) that the output is decoded under, and a `CallParser` factory that turns the
 generated text back into content and calls, piece by piece as it streams.
 
-The formats (one `Format` each; the first whose template markers match wins):
+The formats (one `Format` each), recognised by how the template writes a probe call into the
+history (`detect_format`):
 
-* ``hermes``: Hermes 2/3, Qwen 2.5, Qwen 3, SmolLM3. ``<tool_call>\\n{"name": ..., "arguments":
+* ``hermes``: Hermes 2/3, Qwen 2.5, Qwen 3, Granite 4. ``<tool_call>\\n{"name": ..., "arguments":
   {...}}\\n</tool_call>``, one block per call.
-* ``mistral``: Mistral Nemo and the other ``[TOOL_CALLS]`` templates. ``[TOOL_CALLS][{"name": ...,
-  "arguments": {...}}, ...]``.
+* ``qwen3_coder``: Qwen3-Coder, Qwen 3.5, Nemotron 3 Nano. ``<tool_call>\\n<function=NAME>\\n``, then
+  per argument ``<parameter=P>\\nVALUE\\n</parameter>\\n`` (strings raw, other values JSON), then
+  ``</function>\\n</tool_call>``; the grammar follows each parameter's schema (`xml_params`).
+* ``mistral``: Mistral Nemo. ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``.
+* ``mistral_args``: Mistral Small 3.2, Devstral, Ministral 3. ``[TOOL_CALLS]NAME[ARGS]{...}`` per call.
 * ``llama3``: Llama 3.1 / 3.2 / 3.3 JSON calls: ``{"name": ..., "parameters": {...}}`` at the start
   of the reply, after ``<|python_tag|>`` or bare (one call per turn, as Meta documents).
 * ``generic``: templates that know no tools (SmolLM2, Gemma 3): the tools are described in a
   system message, and the whole reply is one JSON object, ``{"tool_calls": [{"name": ...,
   "arguments": {...}}, ...]}`` or ``{"response": "..."}``.
+
+A marker that the vocabulary holds as a control token (``<|python_tag|>``, ``[TOOL_CALLS]``,
+``[ARGS]``) is asked for as that token.
 
 What the grammar guarantees: with ``tool_choice="required"`` or a named function the reply is
 only calls (at least one) to the allowed tools, with arguments valid under each tool's
@@ -32,19 +39,21 @@ import json
 import random
 import re
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Callable, Iterable
 
+from ..text.chat import format_chat
 from .structured import constraint as make_constraint, _bound_numbers
 
-__all__ = ["FORMATS", "MAX_CALLS", "CallParser", "Delta", "ToolError", "ToolPlan", "assemble", "check_messages",
-           "check_tool_choice", "check_tools", "delta_dict", "detect_format", "finish_reason", "new_call_id",
-           "parse_reply", "plan", "raw_text"]
+__all__ = ["FORMATS", "MAX_CALLS", "CallParser", "Delta", "NamedCallParser", "ToolError", "ToolPlan", "XmlCallParser",
+           "assemble", "check_messages", "check_tool_choice", "check_tools", "delta_dict", "detect_format",
+           "finish_reason", "new_call_id", "parse_reply", "plan", "raw_text", "xml_params"]
 
 MAX_CALLS = 8  # calls in one reply with parallel_tool_calls (bounds what a small model can loop on)
 _NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
-# compact JSON inside calls: the separators the templates render (", " and ": "), no free whitespace
-_COMPACT = {"whitespace_flexible": False}
+# JSON inside calls as the templates render it (tojson): ", " and ": " between items, no other whitespace
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 # ---- checking the request ---------------------------------------------------------------------
@@ -164,49 +173,67 @@ def _brief(value: Any, limit: int = 60) -> str:
 class Format:
     """One tool-call format: how calls are written, and so grammar-constrained and parsed.
 
-    `trigger` opens the calls (None: the reply *is* JSON, as in `generic`); `shape` says where
-    the call objects are once it has: "blocks" (one object per ``open ... close`` block),
+    `trigger` opens the calls (None: the reply *is* JSON, as in `generic`); `shape` says how the
+    calls are written once it has: "blocks" (one JSON object per ``open ... close`` block),
     "array" (the objects of one JSON array), "leading" (one object at the start of the reply),
-    "generic" (the objects of the "tool_calls" array of the reply's object). `args_key` is the
-    key that holds the arguments."""
+    "generic" (the objects of the "tool_calls" array of the reply's object), "named" (``trigger
+    name sep {arguments}`` per call), "xml" (one ``<function=name>`` block of ``<parameter=p>``
+    lines per ``trigger ... close`` block). `args_key` is the key that holds the arguments."""
     name: str
     trigger: str | None
     shape: str
     args_key: str = "arguments"
-    close: str = ""          # "blocks": the text that ends a block
+    close: str = ""          # "blocks", "xml": the text that ends a block
     before: str = ""         # "blocks": the text between the trigger and the object
     after: str = ""          # "blocks": the text between the object and `close`
+    sep: str = ""            # "named": the text between the name and the arguments
 
 
 HERMES = Format("hermes", "<tool_call>", "blocks", before="\n", after="\n", close="</tool_call>")
 MISTRAL = Format("mistral", "[TOOL_CALLS]", "array")
+MISTRAL_ARGS = Format("mistral_args", "[TOOL_CALLS]", "named", sep="[ARGS]")
+QWEN3_CODER = Format("qwen3_coder", "<tool_call>", "xml", close="</tool_call>")
 LLAMA3 = Format("llama3", "<|python_tag|>", "leading", args_key="parameters")
 GENERIC = Format("generic", None, "generic")
-FORMATS = {f.name: f for f in (HERMES, MISTRAL, LLAMA3, GENERIC)}
+FORMATS = {f.name: f for f in (HERMES, MISTRAL, MISTRAL_ARGS, QWEN3_CODER, LLAMA3, GENERIC)}
 
 
+# A probe conversation: the format is recognised from what the template writes for its call.
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe_fn", "description": "A probe.", "parameters": {
+    "type": "object", "properties": {"probe_arg": {"type": "string"}}, "required": ["probe_arg"]}}}
+_PROBE = [{"role": "user", "content": "Call the probe."},
+          {"role": "assistant", "content": "", "tool_calls": [{"id": "abc123XYZ", "type": "function", "function": {
+              "name": "probe_fn", "arguments": {"probe_arg": "probe_value"}}}]},
+          {"role": "tool", "tool_call_id": "abc123XYZ", "name": "probe_fn", "content": "ok"}]
+_WRITTEN = [  # (format, the pattern of its probe call in the rendering)
+    (QWEN3_CODER, r"<tool_call>\n<function=probe_fn>\n<parameter=probe_arg>\nprobe_value\n</parameter>\n"),
+    (HERMES, r'<tool_call>\n\{"name": "probe_fn", "arguments": \{"probe_arg": "probe_value"\}\}\n</tool_call>'),
+    (MISTRAL_ARGS, r'\[TOOL_CALLS\]probe_fn(\[CALL_ID\]abc123XYZ)?\[ARGS\]\{"probe_arg": "probe_value"\}'),
+    (MISTRAL, r'\[TOOL_CALLS\] ?\[\{"name": "probe_fn", "arguments": \{"probe_arg": "probe_value"\}'),
+    (LLAMA3, r'(^|\n|>)\{"name": "probe_fn", "parameters": \{"probe_arg": "probe_value"\}\}'),
+]
+
+
+@lru_cache(maxsize=32)
 def detect_format(template: str | None) -> Format:
-    """The tool-call format of a chat template: from the markers its tool branch writes; a
-    template that never reads `tools` gets `generic`. ValueError for a template that reads
-    `tools` in a way npllama does not know (its calls could be neither constrained nor parsed)."""
+    """The tool-call format of a chat template, from how it writes a probe call into the history
+    (a template that never reads `tools` gets `generic`). ValueError for a template that reads
+    `tools` but writes calls in a format npllama does not know, or that cannot render one: its
+    calls could be neither constrained nor parsed."""
     if template is None or not re.search(r"\btools\b", template):
         return GENERIC
-    if "<function=" in template and "<parameter=" in template:
-        raise ValueError("this chat template writes tool calls as <function=...><parameter=...> XML "
-                         "(Qwen3-Coder), which npllama cannot constrain yet; pass tools to a model whose "
-                         "template uses <tool_call> JSON, [TOOL_CALLS] or Llama 3 JSON, or leave tools out")
-    if "<tool_call>" in template:
-        return HERMES
-    if "[TOOL_CALLS]" in template:
-        if "[ARGS]" in template:
-            raise ValueError("this chat template writes tool calls as [TOOL_CALLS]name[ARGS]{...} (Mistral "
-                             "Small 3.2, Devstral), which npllama cannot constrain yet; leave tools out")
-        return MISTRAL
-    if "<|python_tag|>" in template or '"parameters": dictionary of argument name' in template:
-        return LLAMA3
+    try:
+        rendered = format_chat(template, _PROBE, tools=[_PROBE_TOOL], bos_token="<s>", eos_token="</s>")
+    except ValueError as e:
+        raise ValueError(f"this chat template reads `tools` but cannot render a tool call ({e}); leave tools "
+                         f"out") from None
+    for fmt, pattern in _WRITTEN:
+        if re.search(pattern, rendered):
+            return fmt
     raise ValueError("this chat template reads `tools` but writes calls in a format npllama does not know "
-                     "(it knows <tool_call> JSON, [TOOL_CALLS], Llama 3 JSON, and templates without tools); "
-                     "leave tools out, or use a model with one of those templates")
+                     "(it knows <tool_call> JSON, Qwen3-Coder's <tool_call><function=...> XML, [TOOL_CALLS] "
+                     "JSON or name[ARGS], Llama 3 JSON, and templates without tools); leave tools out, or use "
+                     "a model with one of those templates")
 
 
 # ---- grammars ----------------------------------------------------------------------------------
@@ -232,6 +259,9 @@ def _one_of(tools: list[dict], names: list[str], args_key: str) -> dict:
     return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
 
 
+_GAP = r"/[ \t]*\n?/"  # between one call's block and the next one's trigger
+
+
 def _json(schema: dict) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": _COMPACT})
 
@@ -249,6 +279,96 @@ def _marker(tokenizer, text: str) -> tuple[str, bool]:
     return _lit(text), False
 
 
+# Qwen3-Coder's XML calls write each argument as its own ``<parameter=p>`` block, a string raw and
+# any other value as JSON (the template writes a True/False/None scalar as Python does). So the
+# arguments' schema is enforced per parameter: its listed properties in their order, the required
+# ones present; a string by its enum, const or length (raw text holds no escapes to check
+# anything else against), any other type by its JSON Schema.
+_XML_OBJECT_KEYS = {"type", "properties", "required", "additionalProperties", "description", "title", "$schema"}
+_XML_STRING_KEYS = {"type", "enum", "const", "minLength", "maxLength", "description", "title", "default", "examples"}
+_XML_PYTHON = {"True": "true", "False": "false", "None": "null"}
+_XML_END = "</parameter>"  # ends a value; the line break the template writes before it is optional
+_NL = "\n"
+
+
+def xml_params(tool: dict) -> list[tuple[str, dict, bool, str]]:
+    """(name, schema, required, "string" or "json") of each parameter of `tool` in XML calls;
+    ToolError for a `parameters` schema these calls cannot be held to."""
+    fn = tool["function"]
+    params, where = _arguments_schema(fn["parameters"]), f"tool {fn['name']!r}"
+    extra = sorted(set(params) - _XML_OBJECT_KEYS)
+    if extra or params.get("additionalProperties", False) is not False:
+        raise ToolError("tools", f"{where}: this model's template writes calls as <parameter=...> XML, which npllama "
+                         f"holds to a schema of listed properties only; {extra or ['additionalProperties']} cannot "
+                         f"be enforced there: drop them, or list every parameter under properties")
+    props, required = params.get("properties", {}), params.get("required", [])
+    missing = [r for r in required if r not in props]
+    if missing:
+        raise ToolError("tools", f"{where}: required parameters {missing} are not among its properties; list them "
+                         f"under properties")
+    out = []
+    for name, prop in props.items():
+        kind = _xml_kind(prop)
+        bad = sorted(set(prop) - _XML_STRING_KEYS) if kind == "string" else []
+        if kind is None or bad or not _NAME.fullmatch(name):
+            why = (f"keywords {bad}, which raw text cannot be checked against" if bad else
+                   "a name other than letters, digits, '_', '-', '.' or ':'" if kind else
+                   "no single type: raw text and JSON cannot be told apart (give it a type, string or not)")
+            raise ToolError("tools", f"{where}: parameter {name!r} has {why}, and this model's template writes "
+                             f"calls as <parameter=...> XML, strings raw")
+        out.append((name, prop, name in required, kind))
+    return out
+
+
+def _xml_kind(prop: Any) -> str | None:
+    """"string" for a parameter written raw, "json" for one written as JSON, None if unclear."""
+    if not isinstance(prop, dict):
+        return None
+    types = prop.get("type")
+    if types is None and ("enum" in prop or "const" in prop):
+        values = prop.get("enum", [prop.get("const")])
+        types = ["string" if isinstance(v, str) else "other" for v in values]
+    types = {types} if isinstance(types, str) else set(types or [])
+    return "string" if types == {"string"} else "json" if types and "string" not in types else None
+
+
+def _xml_rules(tools: list[dict]) -> str:
+    """The Lark rules of one XML call (`call`) to one of `tools`: ``<function=name>\n``, then
+    each parameter's ``<parameter=p>\nvalue\n</parameter>\n``, then ``</function>``."""
+    rules, calls = [], []
+    for i, tool in enumerate(tools):
+        params = []
+        for j, (name, prop, required, kind) in enumerate(xml_params(tool)):
+            rule = f"t{i}p{j}"
+            rules.append(f"{rule}: {_lit(f'<parameter={name}>' + _NL)} {_xml_value(rule, prop, kind, rules)} {_lit(_NL)}")
+            params.append(rule if required else f"{rule}?")
+        calls.append(f"t{i}")
+        head = _lit(f"<function={tool['function']['name']}>" + _NL)
+        rules.append(f"t{i}: {head} {' '.join(params)} {_lit('</function>')}")
+    return f"call: {' | '.join(calls)}\n" + "".join(r + "\n" for r in rules)
+
+
+def _xml_value(rule: str, prop: dict, kind: str, rules: list[str]) -> str:
+    """The grammar item of one parameter's value and its ``\n</parameter>`` (adding any rule it
+    needs to `rules`): a string as raw text (the first ``</parameter>`` ends it, and a line break
+    just before it is not part of it, as the template writes one), else JSON."""
+    if kind == "json":
+        if prop.get("type") == "boolean" and "enum" not in prop and "const" not in prop:
+            value = '("true" | "false" | "True" | "False")'
+        elif prop.get("type") == "null":
+            value = '("null" | "None")'
+        else:
+            value = _json(_bound_numbers(prop))
+        return f"{value} {_lit(_NL)}? {_lit(_XML_END)}"
+    if "enum" in prop or "const" in prop:
+        values = [prop["const"]] if "const" in prop else prop["enum"]
+        return "(" + " | ".join(_lit(v) for v in values) + f") {_lit(_NL)}? {_lit(_XML_END)}"
+    low, high = prop.get("minLength", 0), prop.get("maxLength")
+    text = "/(?s:.*)/" if (low, high) == (0, None) else f"/(?s:.){{{low},{'' if high is None else high}}}\\n?/"
+    rules.append(f"{rule}v[lazy]: {text} {_lit(_XML_END)}")
+    return f"{rule}v"
+
+
 def grammar(fmt: Format, tokenizer, tools: list[dict], choice: str, names: list[str], parallel: bool) -> str | None:
     """The Lark grammar (llguidance) of a reply in `fmt` under `choice`; None for no constraint."""
     if fmt is GENERIC:
@@ -261,19 +381,31 @@ def grammar(fmt: Format, tokenizer, tools: list[dict], choice: str, names: list[
                   "additionalProperties": False}
         return f"start: {_json(calls if choice == 'required' else {'anyOf': [calls, answer]})}\n"
     mark, special = _marker(tokenizer, fmt.trigger)
-    call = _json(_one_of(tools, names, fmt.args_key))
+    chosen = [t for t in tools if t["function"]["name"] in names]
 
     def more(item: str) -> str:  # the calls after the first, with parallel_tool_calls
         return f" ({item}){{0,{MAX_CALLS - 1}}}" if parallel else ""
     if fmt.shape == "blocks":
         block = f"{_lit(fmt.before)} call {_lit(fmt.after)} {_lit(fmt.close)}"
-        gap = r"/[ \t]*\n?/"
-        body = "calls: " + block + more(f"{gap} {mark} {block}") + "\n"
+        body = "calls: " + block + more(f"{_GAP} {mark} {block}") + "\n"
     elif fmt.shape == "array":
         body = 'calls: "[" call' + more('", " call') + ' "]"\n'
+    elif fmt.shape == "named":
+        body = "calls: call" + more(f"{mark} call") + "\n"
+    elif fmt.shape == "xml":
+        block = f'"\\n" call "\\n" {_lit(fmt.close)}'
+        body = "calls: " + block + more(f"{_GAP} {mark} {block}") + "\n"
     else:  # leading: one call
         body = "calls: call\n"
-    rules = body + f"call: {call}\n"
+    if fmt.shape == "named":
+        sep = _marker(tokenizer, fmt.sep)[0]
+        rules = body + "call: " + " | ".join(
+            f"{_lit(t['function']['name'])} {sep} {_json(_arguments_schema(t['function']['parameters']))}"
+            for t in chosen) + "\n"
+    elif fmt.shape == "xml":
+        rules = body + _xml_rules(chosen)
+    else:
+        rules = body + f"call: {_json(_one_of(tools, names, fmt.args_key))}\n"
     if fmt is LLAMA3:  # the call opens the reply, after the tag or bare
         tag = mark if special else f"{mark}"
         text = ("TEXT: /(?s:[^{].*)?/" if special else
@@ -333,14 +465,23 @@ def _generic_messages(messages: list[dict], tools: list[dict]) -> list[dict]:
 @dataclass
 class ToolPlan:
     """A checked tool request for one model: the `prompt` to generate from, the `grammar`
-    (Lark; None: unconstrained) and the `format` its reply is parsed in (`parser()`)."""
+    (Lark; None: unconstrained) and the `format` its reply is parsed in (`parser()`); `kinds`
+    says, for XML calls, which parameters are written raw (``{tool: {parameter: "string" or
+    "json"}}``)."""
     prompt: str
     grammar: str | None
     format: Format
     choice: str
+    kinds: dict = field(default_factory=dict)
 
-    def parser(self) -> "CallParser":
-        return CallParser(None if self.choice == "none" else self.format)
+    def parser(self, make_id: Callable[[], str] | None = None) -> "CallParser":
+        """A parser of one reply (`make_id` gives the calls' ids: `new_call_id` by default)."""
+        fmt, make_id = None if self.choice == "none" else self.format, make_id or new_call_id
+        if fmt is not None and fmt.shape == "named":
+            return NamedCallParser(fmt, make_id)
+        if fmt is not None and fmt.shape == "xml":
+            return XmlCallParser(fmt, self.kinds, make_id)
+        return CallParser(fmt, make_id)
 
 
 def plan(model, messages: list[dict], tools: Any, tool_choice: Any = "auto", parallel_tool_calls: bool = True,
@@ -377,7 +518,8 @@ def plan(model, messages: list[dict], tools: Any, tool_choice: Any = "auto", par
     text = grammar(fmt, model.tokenizer, tools, choice, names, parallel_tool_calls)
     if text is not None:
         make_constraint(model, grammar=text)  # compiled (and cached) now: any error before generation
-    return ToolPlan(prompt, text, fmt, choice)
+    kinds = {t["function"]["name"]: {p[0]: p[3] for p in xml_params(t)} for t in tools} if fmt is QWEN3_CODER else {}
+    return ToolPlan(prompt, text, fmt, choice, kinds)
 
 
 # ---- parsing the reply -------------------------------------------------------------------------
@@ -436,7 +578,7 @@ class CallParser:
     # -- text before the calls --
     def _char(self, ch: str, out: list[Delta]) -> None:
         if self.mode == "calls":
-            return self._json_char(ch, out)
+            return self._in_calls(ch, out)
         if self.fmt is None or self.mode == "text" and self.fmt.shape == "leading":
             out.append(Delta(content=ch))
             return
@@ -446,7 +588,7 @@ class CallParser:
             if self.pending in (trig, "{"):
                 rest, self.pending, self.mode = self.pending.removeprefix(trig), "", "calls"
                 for c in rest:
-                    self._json_char(c, out)
+                    self._in_calls(c, out)
             elif not trig.startswith(self.pending):
                 out.append(Delta(content=self.pending))
                 self.pending, self.mode = "", "text"
@@ -461,7 +603,15 @@ class CallParser:
         self.pending = self.pending[len(self.pending) - keep:]
 
     # -- the calls --
-    def _json_char(self, ch: str, out: list[Delta]) -> None:
+    def _new_call(self, name: str, out: list[Delta], arguments: str = "") -> int:
+        """Sends call `name`'s first piece (its index, a new id, the name); returns its index."""
+        index = self.calls
+        self.calls += 1
+        out.append(Delta(index=index, id=self.make_id(), name=name, arguments=arguments))
+        return index
+
+    def _in_calls(self, ch: str, out: list[Delta]) -> None:
+        """One character after the trigger: the JSON of the calls, followed as the class says."""
         call = self.call
         end = self._scan(ch, out)
         if call is not None and (call["capture"] == "on" or end == "inclusive"):
@@ -565,9 +715,8 @@ class CallParser:
             top["key"], top["expect"] = _unescape(raw), "colon"
             return False
         if call is not None and len(self.stack) == call["depth"] and top["key"] == "name" and call["name"] is None:
-            call["name"], call["index"] = _unescape(raw), self.calls
-            self.calls += 1
-            out.append(Delta(index=call["index"], id=self.make_id(), name=call["name"], arguments="".join(call["args"])))
+            call["name"] = _unescape(raw)
+            call["index"] = self._new_call(call["name"], out, "".join(call["args"]))
             call["args"] = None  # from now on the arguments go straight out
         return self._value_done()
 
@@ -575,6 +724,103 @@ class CallParser:
         text, self.content_raw = _decode_partial(self.content_raw + ch)
         if text:
             out.append(Delta(content=text))
+
+
+class NamedCallParser(CallParser):
+    """`CallParser` for "named" calls, ``trigger name sep {arguments}`` each (Mistral's
+    ``[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}``): the name runs up to `sep`, the
+    arguments object (sent as it comes) up to the brace that closes it, outside strings."""
+
+    def __init__(self, fmt: Format, make_id: Callable[[], str] = new_call_id):
+        super().__init__(fmt, make_id)
+        self.state, self.buf, self.depth = "name", "", 0
+
+    def _in_calls(self, ch: str, out: list[Delta]) -> None:
+        if self.state == "args":
+            out.append(Delta(index=self.calls - 1, arguments=ch))
+            if self.escape:
+                self.escape = False
+            elif self.in_string:
+                self.escape, self.in_string = ch == "\\", ch != '"'
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[]}":
+                self.depth += 1 if ch in "{[" else -1
+                self.state = "between" if self.depth == 0 else "args"
+            return
+        self.buf += ch
+        if self.state == "name" and self.buf.endswith(self.fmt.sep):
+            self._new_call(self.buf[:-len(self.fmt.sep)].strip(), out)
+            self.state, self.buf = "args", ""
+        elif self.state == "between" and self.buf.endswith(self.fmt.trigger):
+            self.state, self.buf = "name", ""
+
+
+class XmlCallParser(CallParser):
+    """`CallParser` for "xml" calls (Qwen3-Coder's): per ``trigger`` block, the name of its
+    ``<function=name>``, then each ``<parameter=p>\nvalue\n</parameter>`` as one key of the
+    arguments object. A string value (by `kinds`) is sent as it comes, JSON-escaped, holding back
+    what may be the start of ``\n</parameter>`` (the line break before it is markup); any other
+    value at its end (True/False/None read as JSON's true/false/null)."""
+
+    def __init__(self, fmt: Format, kinds: dict, make_id: Callable[[], str] = new_call_id):
+        super().__init__(fmt, make_id)
+        self.kinds = kinds
+        self.state, self.buf = "open", ""
+        self.name = self.kind = None
+        self.index = self.params = 0  # the call being read, and its parameters so far
+        self.value: list[str] = []  # a JSON value's text so far
+
+    def _in_calls(self, ch: str, out: list[Delta]) -> None:
+        if self.state == "newline":  # the line break after <parameter=p>
+            self.state = "value"
+            if ch == "\n":
+                return
+        self.buf += ch
+        head = self.buf.lstrip()
+        if self.state == "open" and head.startswith("<function=") and head.endswith(">"):
+            self.name = head[len("<function="):-1]
+            self.index, self.params = self._new_call(self.name, out), 0
+            self.state, self.buf = "params", ""
+        elif self.state == "params" and head.startswith("<parameter=") and head.endswith(">"):
+            param = head[len("<parameter="):-1]
+            self.kind = self.kinds.get(self.name, {}).get(param, "string")
+            opening = ('{' if self.params == 0 else ', ') + json.dumps(param, ensure_ascii=False) + ": "
+            self._args(opening + ('"' if self.kind == "string" else ""), out)
+            self.params += 1
+            self.state, self.buf, self.value = "newline", "", []
+        elif self.state == "params" and head == "</function>":
+            self._args("}" if self.params else "{}", out)
+            self.state, self.buf = "after", ""
+        elif self.state == "value":
+            self._value(out)
+        elif self.state == "after" and self.buf.endswith(self.fmt.close):
+            self.state, self.buf = "between", ""
+        elif self.state == "between" and self.buf.endswith(self.fmt.trigger):
+            self.state, self.buf = "open", ""
+
+    def _value(self, out: list[Delta]) -> None:
+        done = self.buf.endswith(_XML_END)
+        if done:
+            keep = len(_XML_END) + self.buf[:-len(_XML_END)].endswith(_NL)
+        else:
+            closer = _NL + _XML_END
+            keep = next((n for n in range(min(len(closer) - 1, len(self.buf)), 0, -1)
+                         if self.buf.endswith(closer[:n]) or self.buf.endswith(_XML_END[:n])), 0)
+        text, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+        if self.kind == "string":
+            self._args(json.dumps(text, ensure_ascii=False)[1:-1] + ('"' if done else ""), out)
+        else:
+            self.value.append(text)
+            if done:
+                value = "".join(self.value).strip()
+                self._args(_XML_PYTHON.get(value, value), out)
+        if done:
+            self.state, self.buf = "params", ""
+
+    def _args(self, text: str, out: list[Delta]) -> None:
+        if text:
+            out.append(Delta(index=self.index, arguments=text))
 
 
 def _unescape(raw: str) -> str:
