@@ -95,7 +95,8 @@ def mark():
 mark()
 model = npllama.load(sys.argv[1], threads=int(sys.argv[2]))
 mark()
-ids = model.tokenize(model.format_chat([{"role": "user", "content": sys.argv[3]}]), special=True)
+chat = model.tokenizer.chat_template is not None  # a base model (Gemma 3 270M) takes the prompt as it is
+ids = model.tokenize(model.format_chat([{"role": "user", "content": sys.argv[3]}]) if chat else sys.argv[3], special=chat)
 mark()
 pieces = model.generate(ids, max_tokens=int(sys.argv[4]), temperature=0.0, stream=True)
 text = next(pieces)
@@ -184,7 +185,8 @@ try:
 finally:
     gc.freeze(); gc.enable()
 mark()
-ids = model.tokenize(model.format_chat([{"role": "user", "content": sys.argv[3]}]), special=True)
+chat = model.tokenizer.chat_template is not None  # a base model (Gemma 3 270M) takes the prompt as it is
+ids = model.tokenize(model.format_chat([{"role": "user", "content": sys.argv[3]}]) if chat else sys.argv[3], special=chat)
 mark()
 pieces = model.generate(ids, max_tokens=int(sys.argv[4]), temperature=0.0, stream=True)
 text = next(pieces)
