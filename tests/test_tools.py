@@ -327,6 +327,7 @@ def test_renderings_with_tools_equal_hf(case):
 
 WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 GREEDY = dict(temperature=0, max_tokens=256)  # room for MAX_CALLS parallel calls: replies end on their own
+NONE = dict(temperature=0, max_tokens=24)  # "none": text, of which a few tokens show that no call starts
 
 
 @pytest.fixture(scope="module")
@@ -384,7 +385,7 @@ def test_required_named_none_auto(model):
     m = model.chat(WEATHER, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}},
                    parallel_tool_calls=False, **GREEDY)  # (with parallel calls the 135M model repeats the call 8 times)
     assert assert_valid_calls(m, allowed={"add"})
-    m = model.chat(WEATHER, tools=TOOLS, tool_choice="none", **GREEDY)
+    m = model.chat(WEATHER, tools=TOOLS, tool_choice="none", **NONE)
     assert "tool_calls" not in m and m["content"] and m["finish_reason"] in ("stop", "length")
     m = model.chat(WEATHER, tools=TOOLS, **GREEDY)
     assert_valid_calls(m)
@@ -442,7 +443,7 @@ def test_each_format_end_to_end(spliced, fmt):
     assert_valid_calls(m)
     marker = T.FORMATS[fmt].trigger
     assert marker not in (m["content"] or "")
-    m = model.chat(WEATHER, tools=TOOLS, tool_choice="none", **GREEDY)
+    m = model.chat(WEATHER, tools=TOOLS, tool_choice="none", **NONE)
     assert "tool_calls" not in m and marker not in m["content"]
 
 
