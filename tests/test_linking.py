@@ -104,6 +104,8 @@ def test_a_numba_without_the_hooked_step_keeps_its_linking_with_one_warning(monk
     monkeypatch.setattr(linking.codegen.JITCPUCodegen, "_library_class", Library)
     with pytest.warns(RuntimeWarning, match="last bits may depend"):
         assert linking.install() is False
+    with pytest.warns(RuntimeWarning, match="workers are linked into every caller"):
+        assert linking.install_out_of_line() is False
 
 
 # A kernel module added to a copy of the package: a parallel caller of an out-of-line callee.

@@ -18,7 +18,8 @@ cache keys on this (`cachestamp`'s stamps count `INSTALLED`), so code linked the
 never loaded beside it.
 
 A few large functions are called rather than copied (`out_of_line`): the workers that the fused
-decode step and the packed layers run on every thread. Linked in, such a worker is optimized
+decode step and the packed layers run on every thread, and the phases those run (attention,
+the products, the per-token work). Linked in, such a worker is optimized
 and emitted again inside the parallel region that calls it, and that region again inside its
 kernel: the decode step's compile spent most of its minute re-optimizing code compiled once
 already. Called, it is compiled once, and a caller's machine code refers to its symbol (which
@@ -91,8 +92,8 @@ _out_of_line: list = []  # the dispatchers `out_of_line` registered
 
 def out_of_line(dispatcher):
     """Decorator for a jitted function: its callers call its own machine code rather than link
-    in a copy (the module's docstring). For large functions called once per parallel thread,
-    whose call costs nothing beside their work."""
+    in a copy (the module's docstring). For large functions whose calls are few beside their
+    work (once a thread, a layer or a phase), where inlining gains nothing worth its compile."""
     _out_of_line.append(dispatcher)
     return dispatcher
 
@@ -127,12 +128,15 @@ def find(module: str, qualname: str):
 def install_out_of_line() -> bool:
     """Call `out_of_line` functions rather than link them in, from now on (once; the module's
     docstring): what `add_linking_library` is handed of theirs is recorded in the caller's
-    library (`calls_of`) instead of linked. False where this Numba's code library lacks that
-    step."""
+    library (`calls_of`) instead of linked. False, with one warning, where this Numba's code
+    library lacks that step (the functions are then linked in, as Numba does)."""
     global OUT_OF_LINE
     cls = _library_class()
     original = getattr(cls, "add_linking_library", None)
     if original is None or not hasattr(cls, "_ensure_finalized"):
+        warnings.warn("npllama: this Numba's code library is not the one npllama was written for; the fused "
+                      "kernels' workers are linked into every caller (a first compile takes longer)",
+                      RuntimeWarning, stacklevel=2)
         return False
     if OUT_OF_LINE:
         return True
