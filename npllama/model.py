@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from .engine.transformer import Transformer
-from .generation import api, beam
+from .generation import api, beam, embedding
 
 __all__ = ["Model", "load"]
 
@@ -23,7 +23,8 @@ class Model(Transformer):
     chat = api.chat
     score = api.score
     perplexity = api.perplexity
-    embed = api.embed
+    embed = embedding.embed
+    rerank = embedding.rerank
     generate_batch = api.generate_batch
     beam_search = beam.beam_search
 

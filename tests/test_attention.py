@@ -13,7 +13,7 @@ from npllama.cache.kvcache import KVCache
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def reference(q, k, v, *, offset=None, mask=None, softcap=0.0, alibi=None, window=0, scale=None):
+def reference(q, k, v, *, offset=None, mask=None, softcap=0.0, alibi=None, window=0, scale=None, causal=True):
     """Naive float64 attention: repeat KV heads, matmul, mask, softmax, matmul.
 
     q: (S, H, D); k, v: (KV, KVH, D) -> (S, H, D). Rows with no visible key are zero.
@@ -31,7 +31,7 @@ def reference(q, k, v, *, offset=None, mask=None, softcap=0.0, alibi=None, windo
     kpos = np.arange(KV)[None, :]  # (1, KV)
     if alibi is not None:
         scores = scores + np.asarray(alibi, np.float64)[:, None, None] * (kpos - qpos)
-    visible = kpos <= qpos
+    visible = kpos <= qpos if causal else np.ones((S, KV), bool)
     if window > 0:
         visible &= kpos > qpos - window
     if mask is not None:
@@ -344,6 +344,25 @@ def test_vector_exp_is_exp_bit_for_bit():
     assert np.isnan(vec[np.isnan(x)]).all() and np.isnan(one[np.isnan(x)]).all()
     inside = (x > -87.0) & (x < 88.0)
     np.testing.assert_allclose(one[inside], np.exp(x[inside].astype(np.float64)), rtol=2.5e-7)
+
+
+@pytest.mark.parametrize("S, KV", [(1, 1), (1, 9), (7, 7), (33, 33), (5, 600), (600, 600)])
+def test_bidirectional(S, KV):
+    """causal=False: every query sees every key (an encoder's attention), over several chunks of
+    keys and blocks of queries; a mask and a softcap still apply; non-contiguous queries."""
+    q, k, v = make(S, KV, 6, 3, 48, seed=S + KV)
+    check(q, k, v, causal=False)
+    assert S == 1 or not np.allclose(attend_kv(q, k, v, causal=False), reference(q, k, v), atol=1e-3)  # a last query sees all anyway
+    mask = np.where(np.random.default_rng(3).random((S, KV)) < 0.3, -np.inf, 0.0).astype(np.float32)
+    check(q, k, v, causal=False, mask=mask, softcap=2.0)
+    check(np.asfortranarray(q), k, v, causal=False)
+
+
+def test_bidirectional_refuses_positions():
+    q, k, v = make(2, 5, 4, 2, 40)
+    for bad in (dict(offset=0), dict(window=2), dict(alibi=np.ones(4, np.float32))):
+        with pytest.raises(ValueError, match="causal=False .* takes no offset, window or alibi"):
+            attend_kv(q, k, v, causal=False, **bad)
 
 
 def test_explicit_offset():

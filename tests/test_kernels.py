@@ -1,10 +1,12 @@
-"""RMSNorm, SwiGLU, RoPE and the float32 exponential against NumPy references."""
+"""RMSNorm, LayerNorm, SwiGLU, GELU, RoPE and the float32 exponential against NumPy references."""
+import math
+
 import numpy as np
 import pytest
 from numba import njit
 
 from npllama import ContextOverflowError
-from npllama.kernels.nn import _FM, RopeTable, _exp, glu, rmsnorm, swiglu
+from npllama.kernels.nn import _FM, RopeTable, _exp, gelu, glu, layernorm, rmsnorm, swiglu
 
 rng = np.random.default_rng(0)
 
@@ -174,3 +176,60 @@ def test_rope_position_past_context():
         t.apply(np.zeros((2, 1, 8), np.float32), np.array([15, 16]))
     with pytest.raises(ValueError, match="C-contiguous"):
         t.apply(np.zeros((2, 1, 8), np.float32)[:, :, ::1].transpose(0, 1, 2)[::-1], np.array([0, 1]))
+
+
+def ref_layernorm(x, w, b, eps):
+    x = x.astype(np.float64)
+    d = x - x.mean(-1, keepdims=True)
+    return (d / np.sqrt((d * d).mean(-1, keepdims=True) + eps) * w + b).astype(np.float32)
+
+
+@pytest.mark.parametrize("shape", [(1,), (7,), (384,), (1, 384), (5, 33)])
+def test_layernorm(shape):
+    """Rows offset far from 0 (where a one-pass E[x^2] - E[x]^2 would lose the variance)."""
+    x = (rng.standard_normal(shape) * 2 + 50).astype(np.float32)
+    w, b = (rng.standard_normal(shape[-1]).astype(np.float32) for _ in range(2))
+    np.testing.assert_allclose(layernorm(x, w, b, 1e-12), ref_layernorm(x, w, b, 1e-12), rtol=1e-4, atol=2e-5)
+
+
+def test_layernorm_eps_in_place_non_contiguous_and_bad_shapes():
+    x = (rng.standard_normal((3, 64)) * 1e-4).astype(np.float32)  # variance 1e-8: eps sets the scale
+    w, b = rng.standard_normal(64).astype(np.float32), rng.standard_normal(64).astype(np.float32)
+    for eps in (1e-6, 1e-2):
+        got = layernorm(x, w, b, eps)
+        np.testing.assert_allclose(got, ref_layernorm(x, w, b, eps), rtol=1e-5, atol=1e-6)
+        assert not np.allclose(got, ref_layernorm(x, w, b, eps * 10), rtol=1e-2, atol=0)
+    y = x.copy()
+    assert layernorm(y, w, b, 1e-5, out=y) is y
+    np.testing.assert_allclose(y, ref_layernorm(x, w, b, 1e-5), rtol=1e-5, atol=1e-6)
+    strided = rng.standard_normal((6, 40)).astype(np.float32)[::2, ::2]
+    w20, b20 = w[:20], b[:20]
+    np.testing.assert_allclose(layernorm(strided, w20, b20, 1e-5), ref_layernorm(strided, w20, b20, 1e-5),
+                               rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"weight has shape \(3,\) and bias \(20,\) .* need \(20,\)"):
+        layernorm(strided, np.ones(3, np.float32), b20, 1e-5)
+    with pytest.raises(ValueError, match="out must be"):
+        layernorm(x, w, b, 1e-5, out=np.empty((3, 63), np.float32))
+
+
+@pytest.mark.parametrize("shape", [(1,), (9,), (1, 1536), (5, 33)])
+def test_gelu_erf(shape):
+    """GELU with erf (torch's default, BERT's "gelu") in float64, over large |x| too; the tanh
+    approximation differs from it by more than the tolerance."""
+    x = (rng.standard_normal(shape) * 4).astype(np.float32)
+    x64 = x.astype(np.float64)
+    ref = 0.5 * x64 * (1 + np.vectorize(math.erf)(x64 / math.sqrt(2)))
+    got = gelu(x)
+    np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-7)
+    tanh = 0.5 * x64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (x64 + 0.044715 * x64 ** 3)))
+    if x.size > 5:
+        assert np.abs(got - tanh).max() > 1e-5
+    y = x.copy()
+    assert gelu(y, out=y) is y and np.array_equal(y, got)
+
+
+def test_gelu_non_contiguous():
+    x = rng.standard_normal((4, 30)).astype(np.float32)[:, ::3]
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(gelu(x), 0.5 * x64 * (1 + np.vectorize(math.erf)(x64 / math.sqrt(2))),
+                               rtol=1e-6, atol=1e-7)

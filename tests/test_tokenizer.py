@@ -187,7 +187,8 @@ def test_bad_ids_in_lookups(tiny):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"tokenizer.ggml.model": "bert"}, "unsupported tokenizer model .*'bert'.* supported: 'gpt2'"),
+    ({"tokenizer.ggml.model": "t5"}, "unsupported tokenizer model .*'t5'.* supported: 'gpt2'.*'bert'"),
+    ({"tokenizer.ggml.model": "bert"}, "'bert' .*needs tokenizer.ggml.unknown_token_id"),
     ({"tokenizer.ggml.model": None}, "unsupported tokenizer model .*None"),
     ({"tokenizer.ggml.model": 7}, "tokenizer.ggml.model: is int 7, not a string"),
     ({"tokenizer.ggml.pre": "mystery-pre"}, "unsupported pre-tokenizer .*'mystery-pre'; supported: .*deepseek-coder"),
@@ -431,9 +432,8 @@ def test_gemma3_specials():
 
 # The vocabularies with test vectors in llama-cpp-python 0.3.36: each supported one must match every
 # vector; the others must be refused with the list of what is supported.
-SUPPORTED_VOCABS = ["command-r", "deepseek-coder", "deepseek-llm", "falcon", "gemma-4", "gpt-2", "llama-bpe",
-                    "llama-spm", "mpt", "phi-3", "qwen2", "qwen35", "refact", "starcoder"]
-REFUSED_VOCABS = {"bert-bge": "unsupported tokenizer model tokenizer.ggml.model='bert'; supported: 'gpt2'"}
+SUPPORTED_VOCABS = ["bert-bge", "command-r", "deepseek-coder", "deepseek-llm", "falcon", "gemma-4", "gpt-2",
+                    "llama-bpe", "llama-spm", "mpt", "phi-3", "qwen2", "qwen35", "refact", "starcoder"]
 
 
 @pytest.fixture(scope="session")
@@ -448,7 +448,7 @@ def llama_vocabs():
 
 @pytest.mark.model
 def test_every_llama_vocab_is_covered(llama_vocabs):
-    assert vocab_names(llama_vocabs) == sorted([*SUPPORTED_VOCABS, *REFUSED_VOCABS])
+    assert vocab_names(llama_vocabs) == sorted(SUPPORTED_VOCABS)
 
 
 @pytest.mark.model
@@ -475,10 +475,21 @@ def test_longest_token_bytes_bounds_every_token(llama_vocabs, name):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("name", sorted(REFUSED_VOCABS))
-def test_llama_cpp_vocab_refused(llama_vocabs, name):
-    with pytest.raises(GGUFError, match=re.escape(REFUSED_VOCABS[name])):
-        Tokenizer.from_metadata(gguf_metadata(llama_vocabs / f"ggml-vocab-{name}.gguf"))
+def test_wordpiece_input(llama_vocabs):
+    """bge's WordPiece: uncased (lower-cased, accents stripped), '##' continuations, [UNK] for a
+    word it cannot split, and an encoder's input: [CLS] a [SEP] b [SEP] with token types."""
+    tok = Tokenizer.from_metadata(gguf_metadata(llama_vocabs / "ggml-vocab-bert-bge.gguf"))
+    assert (tok.bos_id, tok.sep_id, tok.add_eos) == (101, 102, True)
+    ids = tok.encode("Héllo, WORLD! embeddings", add_bos=False)
+    assert [tok.token_to_piece(i) for i in ids] == ["\u2581hello", "\u2581,", "\u2581world", "\u2581!",
+                                                    "\u2581em", "bed", "ding", "s"]
+    assert tok.decode(ids) == "hello , world ! embeddings"
+    assert tok.encode("\u2603", add_bos=False) == [100]
+    single, types = tok.encode_input("hello")
+    assert single == [101, tok.encode("hello", add_bos=False)[0], 102] and types == [0, 0, 0]
+    both, types = tok.encode_input("a b", "c")
+    a, b, c = (tok.encode(w, add_bos=False)[0] for w in "abc")
+    assert both == [101, a, b, 102, c, 102] and types == [0, 0, 0, 0, 1, 1]
 
 
 # --- fuzzing (tests/fuzz_targets_tokenizer.py) ----------------------------------------------

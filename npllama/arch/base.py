@@ -45,7 +45,7 @@ class ModelConfig:
     rope_scaling_type: str | None    # None, 'linear', 'longrope', ... as the file names it
     rope_scaling_factor: float
     rope_neox: bool                  # True: rotate halves (NeoX); False: adjacent pairs (llama)
-    rms_eps: float
+    rms_eps: float                   # the norms' epsilon (RMSNorm's, or LayerNorm's with norm="layer")
     tied_output: bool                # no output.weight: the output projection is token_embd
     attn_bias: bool                  # q/k/v biases present (qwen2)
     has_rope_freqs: bool             # rope_freqs.weight present (llama 3 rope scaling)
@@ -62,6 +62,12 @@ class ModelConfig:
     n_expert: int = 0                # mixture of experts: experts per layer (0: a dense FFN)
     n_expert_used: int = 0           # experts each token is routed to
     n_ff_exp: int = 0                # the FFN width of one expert
+    # --- encoders (BERT) and embedding models ---
+    causal: bool = True              # False: bidirectional attention (an encoder: it embeds, never generates)
+    norm: str = "rms"                # "layer": LayerNorm with a bias (its weights a (weight, bias) pair)
+    post_ln: bool = False            # each sublayer's output added to x, then x normed (BERT): no pre-norms
+    gated_ffn: bool = True           # False: down(act(up h + b_up)) + b_down, act "gelu" (erf)
+    pooling: str | None = None       # '{arch}.pooling_type': "none", "mean", "cls", "last" or "rank"; None if absent
 
     @property
     def q_dim(self) -> int:
@@ -123,6 +129,20 @@ class Meta:
         return window
 
 
+POOLING = ("none", "mean", "cls", "last", "rank")  # llama.cpp's pooling types, by their number
+
+
+def pooling(m: Meta) -> str | None:
+    """'{arch}.pooling_type' by name (POOLING), None when the file has none."""
+    kind = m.get("pooling_type", int, None)
+    if kind is None:
+        return None
+    if not 0 <= kind < len(POOLING):
+        raise m.error(f"metadata key '{m.arch}.pooling_type' is {kind}; known pooling types are "
+                      f"{', '.join(f'{i} ({p})' for i, p in enumerate(POOLING))}")
+    return POOLING[kind]
+
+
 def llama_fields(m: Meta, *, neox: bool, dense: bool = True) -> dict:
     """The ModelConfig fields every architecture here shares with the llama block: sizes,
     heads, RMSNorm epsilon, one RoPE table (with linear scaling and Llama 3's rope_freqs),
@@ -176,7 +196,7 @@ def llama_fields(m: Meta, *, neox: bool, dense: bool = True) -> dict:
         rope_scaling_type=scaling_type, rope_scaling_factor=scaling_factor, rope_neox=neox, rms_eps=rms_eps,
         tied_output="output.weight" not in m.tensors, attn_bias="blk.0.attn_q.bias" in m.tensors,
         has_rope_freqs=has_freqs, attn_scale=1.0 / math.sqrt(head_dim), ropes=(rope,),
-        layer_rope=(0,) * n_layer, layer_window=(0,) * n_layer,
+        layer_rope=(0,) * n_layer, layer_window=(0,) * n_layer, pooling=pooling(m),
     )
 
 

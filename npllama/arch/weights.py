@@ -54,7 +54,9 @@ class QWeight:
 
 @dataclass(frozen=True)
 class Layer:
-    """One block's weights. Which optional ones are present follows the ModelConfig."""
+    """One block's weights. Which optional ones are present follows the ModelConfig. A norm
+    is its weight (n_embd,), or with config.norm "layer" a (weight, bias) pair; with
+    config.post_ln, attn_norm and ffn_norm norm the stream after each sublayer's add."""
     attn_norm: np.ndarray  # (n_embd,)
     wq: QWeight            # (n_head * head_dim, n_embd)
     wk: QWeight            # (n_head_kv * head_dim, n_embd)
@@ -67,12 +69,28 @@ class Layer:
     bq: np.ndarray | None = None    # Qwen2's q/k/v biases
     bk: np.ndarray | None = None
     bv: np.ndarray | None = None
+    bo: np.ndarray | None = None              # (n_embd,): the attention output's bias (BERT)
+    b_up: np.ndarray | None = None            # (n_ff,): the ungated FFN's biases (BERT)
+    b_down: np.ndarray | None = None          # (n_embd,)
     q_norm: np.ndarray | None = None          # (head_dim,): config.qk_norm
     k_norm: np.ndarray | None = None
     post_attn_norm: np.ndarray | None = None  # (n_embd,): config.post_norms
     post_ffn_norm: np.ndarray | None = None
     router: QWeight | None = None             # (n_expert, n_embd): config.n_expert
     experts: tuple[tuple[QWeight, QWeight, QWeight], ...] = ()  # (gate, up, down) per expert
+
+
+@dataclass(frozen=True)
+class EncoderWeights:
+    """An encoder's weights outside its layers: what its input adds to the token embeddings,
+    and a cross-encoder's classification head (over the first token's hidden state)."""
+    position_embd: np.ndarray                 # (n_ctx, n_embd): absolute positions
+    token_types: np.ndarray | None            # (n_types, n_embd): segment A / B; None: none
+    embd_norm: tuple[np.ndarray, np.ndarray]  # LayerNorm (weight, bias) of the summed embeddings
+    cls: QWeight | None = None                # (n_embd, n_embd): dense, then tanh (RoBERTa's head)
+    cls_b: np.ndarray | None = None
+    cls_out: QWeight | None = None            # (n_labels, n_embd): the scores
+    cls_out_b: np.ndarray | None = None
 
 
 def f32(t) -> np.ndarray:

@@ -14,6 +14,9 @@ Per layer, with the flags of the description:
     x += post_norm(wo a)                      post_norms (Gemma 3), else wo a
     h = norm(x)                               ffn_norm
     x += post_norm(ffn(h))                    down(act(gate h) * up h), or a mixture of experts
+An encoder (BERT: post_ln, norm "layer", gated_ffn False) norms after each add instead:
+    x = norm(x + wo a + bo)                   attn_norm, attention bidirectional (causal False)
+    x = norm(x + down(gelu(up x + b_up)) + b_down)    ffn_norm
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import weakref
 
 import numpy as np
 
-from ..kernels.nn import _rope, glu, rmsnorm
+from ..kernels.nn import _rope, gelu, glu, layernorm, rmsnorm
 from ..kernels.qtypes import TypeMask, kernel_types
 
 _MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -52,7 +55,18 @@ class Ops:
             self.attention = attention
 
     def norm(self, x, w):
+        """RMSNorm by w, or with config.norm "layer" LayerNorm by w = (weight, bias)."""
+        if self.cfg.norm == "layer":
+            return layernorm(x, w[0], w[1], self.cfg.rms_eps)
         return rmsnorm(x, w, self.cfg.rms_eps)
+
+    def mlp(self, L, h):
+        """The ungated FFN: down(gelu(up h + b_up)) + b_down."""
+        u = self.product(L.w_up, h)
+        self.add(u, L.b_up)
+        y = self.product(L.w_down, gelu(u, out=u))
+        self.add(y, L.b_down)
+        return y
 
     def qkv(self, L, h):
         return self.product(L.wq, h), self.product(L.wk, h), self.product(L.wv, h)
@@ -91,11 +105,18 @@ class Ops:
         x += b
 
 
-def embed(model, ids: np.ndarray) -> np.ndarray:
-    """The residual stream's start: token embeddings (S, n_embd), scaled as the architecture says."""
+def embed(model, ids: np.ndarray, positions: np.ndarray | None = None, types: np.ndarray | None = None) -> np.ndarray:
+    """The residual stream's start: token embeddings (S, n_embd), scaled as the architecture says;
+    an encoder's (model.encoder) plus those of `positions` and token `types`, LayerNormed."""
     x = model.token_embd.rows_of(ids)
     if model.config.embd_scale != 1.0:
         x *= np.float32(model.config.embd_scale)
+    enc = model.encoder
+    if enc is not None:
+        x += enc.position_embd[positions]
+        if enc.token_types is not None:
+            x += enc.token_types[types]
+        x = layernorm(x, *enc.embd_norm, model.config.rms_eps, out=x)
     return x
 
 
@@ -106,7 +127,7 @@ def run_layers(model, x: np.ndarray, positions: np.ndarray, ops: Ops, end: int) 
     S, H, KVH, D = x.shape[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim
     cos, sin = model.ropes.tables(end)
     for li, L in enumerate(model.layers):
-        h = ops.norm(x, L.attn_norm)
+        h = x if cfg.post_ln else ops.norm(x, L.attn_norm)
         q, k, v = ops.qkv(L, h)  # (S, H*D), (S, KVH*D) x 2
         if L.bq is not None:
             ops.add(q, L.bq)
@@ -118,6 +139,11 @@ def run_layers(model, x: np.ndarray, positions: np.ndarray, ops: Ops, end: int) 
         table = cfg.layer_rope[li]
         rope = (positions, cos[table], sin[table]) if table >= 0 else None
         a = ops.rope_attention(li, q, k, v, rope, cfg.layer_window[li])
+        if cfg.post_ln:
+            _add_norm(ops, x, ops.product(L.wo, a.reshape(S, H * D)), L.bo, L.attn_norm)
+            del q, k, v, a
+            _add_norm(ops, x, ops.mlp(L, x), None, L.ffn_norm)
+            continue
         ops.add_product(x, L.wo, a.reshape(S, H * D), L.post_attn_norm if cfg.post_norms else None)
         del q, k, v, a  # a long prompt's chunk: the FFN's activations are the peak
         h = ops.norm(x, L.ffn_norm)
@@ -127,6 +153,14 @@ def run_layers(model, x: np.ndarray, positions: np.ndarray, ops: Ops, end: int) 
         else:
             ops.add_product(x, L.w_down, ops.glu(L.w_gate, L.w_up, h), post)
     return x
+
+
+def _add_norm(ops: Ops, x: np.ndarray, y: np.ndarray, b, w) -> None:
+    """x = norm(x + y (+ b)) in place: a post-LN sublayer's end."""
+    x += y
+    if b is not None:
+        ops.add(x, b)
+    x[...] = ops.norm(x, w)
 
 
 def moe(cfg, L, h: np.ndarray, ops: Ops) -> np.ndarray:

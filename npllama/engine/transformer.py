@@ -82,8 +82,12 @@ class Transformer:
         arch = ARCHS[cfg.arch]
         self.layers = [arch.load_layer(cfg, t, opt, i) for i in range(cfg.n_layer)]
         self.token_embd = QWeight.from_tensor(t("token_embd.weight"))
-        self.output_norm = f32(t("output_norm.weight"))
-        self.output = self.token_embd if cfg.tied_output else QWeight.from_tensor(t("output.weight"))
+        # an encoder (bidirectional attention) has no output norm or LM head, and its input and
+        # classification head's weights (arch/bert.py) in `encoder`; a decoder's `encoder` is None
+        self.encoder = arch.load_model(cfg, t, opt, self.path) if hasattr(arch, "load_model") else None
+        self.output_norm = f32(t("output_norm.weight")) if cfg.causal else None
+        self.output = (None if not cfg.causal else
+                       self.token_embd if cfg.tied_output else QWeight.from_tensor(t("output.weight")))
         names = {n for r in cfg.ropes for n in (r.factors, r.long_factors) if n}
         self.ropes = Ropes(cfg, {n: f32(t(n)) for n in names})
         # the small tensors (norms, biases, RoPE factors) are copies now: the file's pages that
@@ -145,14 +149,23 @@ class Transformer:
         cfg = self.config
         return KVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, capacity=capacity, dtype=self.kv_dtype)
 
+    def check_generates(self) -> None:
+        """ValueError unless this model generates text (a decoder): an encoder embeds or reranks."""
+        if not self.config.causal:
+            raise ValueError(f"{os.path.basename(self.path)} is an embedding model ('{self.config.arch}', an encoder "
+                             f"with bidirectional attention): it cannot generate or score text. Use "
+                             f"model.embed(texts), or model.rerank(query, documents) for a reranker")
+
     def new_pool(self, n_pages: int, page_size: int, dtype):
         """A paged KV pool shaped for this model (`KVPool.for_model` makes one by pages or tokens)."""
+        self.check_generates()
         from ..cache.kvpool import KVPool
         cfg = self.config
         return KVPool(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, n_pages, page_size, dtype)
 
     def session(self, *, ctx: int | None = None, threads: int | None = None):
         """A new inference session: one KV cache, and a position that is always its length."""
+        self.check_generates()
         from .session import Session
         return Session(self, ctx=ctx, threads=threads)
 
@@ -184,6 +197,7 @@ class Transformer:
         """
         if output not in ("logits", "hidden"):
             raise ValueError(f"output must be 'logits' or 'hidden', got {output!r}")
+        self.check_generates()
         ids = self.check_ids(ids)
         if pos != cache.length:
             raise PositionError(
@@ -239,7 +253,7 @@ class Transformer:
         layers = [w for L in self.layers
                   for w in (L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down, L.router,
                             *(w for e in L.experts for w in e)) if w is not None]
-        return layers + [self.output]
+        return layers + ([self.output] if self.output is not None else [])
 
     def _pack_panels(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """(arena, {weight name: its panels, a view of the arena}) for every product weight of a

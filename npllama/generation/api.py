@@ -1,4 +1,5 @@
-"""The text-level API that `Model` exposes: generation, chat, scoring, perplexity, embeddings.
+"""The text-level API that `Model` exposes: generation, chat, scoring, perplexity (embeddings and
+reranking: embedding.py).
 
 Each function takes the model as its first argument; `Model` binds them as methods. Prompts
 may be text (tokenized with the model's tokenizer, BOS as its metadata says) or token ids.
@@ -277,22 +278,6 @@ def perplexity(model, text: str, ctx: int = 512, *, progress: bool | None = None
             count += len(lp)
             bar.update(1)
     return float(np.exp(nll / count))
-
-
-def embed(model, texts: str | Sequence[str]) -> np.ndarray:
-    """(n, n_embd) float32: each text's final hidden states (after the output norm), mean-pooled
-    over its tokens and L2-normalised."""
-    if isinstance(texts, str):
-        texts = [texts]
-    out = np.empty((len(texts), model.config.n_embd), dtype=np.float32)
-    for i, text in enumerate(texts):
-        if not isinstance(text, str) or not text:
-            raise ValueError(f"text {i} is empty or not a string; embed() needs non-empty strings")
-        s = model.session()
-        hidden = model.forward(model.tokenize(text), 0, s.cache, output="hidden")
-        v = hidden.astype(np.float64).mean(0)
-        out[i] = v / max(np.linalg.norm(v), 1e-12)
-    return out
 
 
 def generate_batch(model, prompts: Sequence, *, progress: bool | None = None, **options) -> list[str]:

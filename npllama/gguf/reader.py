@@ -452,12 +452,14 @@ def _model_config(path: str, metadata: dict, tensors: dict[str, TensorInfo]) -> 
 
 def _check_tensors(path: str, cfg: ModelConfig, tensors: dict[str, TensorInfo]) -> None:
     """GGUFError for a missing required tensor or one whose shape disagrees with the config."""
-    per_layer = ARCHS[cfg.arch].tensors(cfg)
+    arch = ARCHS[cfg.arch]
+    per_layer = arch.tensors(cfg)
     vocab = f"n_vocab={cfg.n_vocab}, n_embd={cfg.n_embd}"
-    expected = {
-        "token_embd.weight": ((cfg.n_vocab, cfg.n_embd), vocab),
-        "output_norm.weight": ((cfg.n_embd,), f"n_embd={cfg.n_embd}"),
-    }
+    expected = {"token_embd.weight": ((cfg.n_vocab, cfg.n_embd), vocab)}
+    if cfg.causal:  # a decoder's output norm; an encoder has none
+        expected["output_norm.weight"] = ((cfg.n_embd,), f"n_embd={cfg.n_embd}")
+    if hasattr(arch, "model_tensors"):
+        expected.update(arch.model_tensors(cfg))
     optional = {
         "output.weight": ((cfg.n_vocab, cfg.n_embd), vocab),
         "rope_freqs.weight": ((cfg.rope_dim // 2,), f"rope_dim={cfg.rope_dim}"),

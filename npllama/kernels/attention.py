@@ -33,7 +33,8 @@ t <= p (and t > p - window when window > 0), t < kv_len. A key is scored as
     x += slope[h] * (t - p) with ALiBi;  x += mask[i, t] with a mask,
 
 and a mask entry at or below -1e30 (including -inf) removes the key. A query that sees no
-key at all (a fully masked row, say) gets a zero output, never NaN.
+key at all (a fully masked row, say) gets a zero output, never NaN. Bidirectional attention (an
+encoder's, `causal=False`) places every query past the last key, so that each sees them all.
 """
 from __future__ import annotations
 
@@ -787,8 +788,10 @@ def _float_array(name: str, a, ndim: int) -> np.ndarray:
 
 def attend(q: np.ndarray, kv: np.ndarray, kv_len: int, *, offset: int | None = None,
            mask: np.ndarray | None = None, softcap: float = 0.0, alibi: np.ndarray | None = None,
-           window: int = 0, scale: float | None = None, out: np.ndarray | None = None) -> np.ndarray:
-    """Causal attention of S queries over the first kv_len positions of an interleaved KV buffer.
+           window: int = 0, scale: float | None = None, out: np.ndarray | None = None,
+           causal: bool = True) -> np.ndarray:
+    """Causal attention of S queries over the first kv_len positions of an interleaved KV buffer
+    (with `causal=False`, bidirectional: every query sees every key).
 
     Args:
         q: (S, H, D) queries, any float dtype and strides (copied to contiguous float32).
@@ -803,6 +806,8 @@ def attend(q: np.ndarray, kv: np.ndarray, kv_len: int, *, offset: int | None = N
         window: when > 0, query at position p sees only keys in (p - window, p].
         scale: score scale, default 1 / sqrt(D).
         out: optional C-contiguous float32 (S, H, D) array to write into.
+        causal: False: no causal mask, each query sees keys 0..kv_len-1 (an encoder's attention;
+            offset, window and alibi, which need the queries' positions, must be left out).
 
     Returns:
         (S, H, D) float32 output (`out` when given). Rows that see no key are zero.
@@ -824,6 +829,11 @@ def attend(q: np.ndarray, kv: np.ndarray, kv_len: int, *, offset: int | None = N
     kv_len = int(kv_len)
     if not 0 <= kv_len <= cap:
         raise ValueError(f"attend: kv_len must be in [0, capacity={cap}], got {kv_len}")
+    if not causal:
+        if offset is not None or window or alibi is not None:
+            raise ValueError("attend: causal=False (every query sees every key) takes no offset, window or "
+                             "alibi, which place the queries; leave them out")
+        offset = max(kv_len - 1, 0)  # every query at or past the last key: it sees them all
     offset = kv_len - S if offset is None else int(offset)
     if offset < 0:
         raise ValueError(f"attend: offset must be >= 0, got {offset} (S={S}, kv_len={kv_len}; "

@@ -1,10 +1,12 @@
-"""Small elementwise and normalisation kernels of the transformer block: RMSNorm, SwiGLU and RoPE,
-and the float32 exponential they and attention use.
+"""Small elementwise and normalisation kernels of the transformer block: RMSNorm, LayerNorm,
+SwiGLU / GeGLU, GELU and RoPE, and the float32 exponential they and attention use.
 
 Each kernel is a private `@njit` function over contiguous float32 arrays; the public wrappers
 check shapes and dtypes and raise `ValueError` naming the offending value.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 from llvmlite import ir
@@ -110,6 +112,70 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = N
     res = np.empty_like(x2) if out is None else out.reshape(x2.shape)
     _rmsnorm(x2, np.ascontiguousarray(w, dtype=np.float32), float(eps), res)
     return res.reshape(np.shape(x))
+
+
+@njit(cache=True, fastmath=_FM)
+def _layernorm_row(x, w, b, eps, out):
+    # x, w, b, out: (n,); out may be x. Mean and variance summed in float64, as rmsnorm's square.
+    n = x.shape[0]
+    acc = 0.0
+    for i in range(n):
+        acc += np.float64(x[i])
+    mean = acc / n
+    acc = 0.0
+    for i in range(n):
+        d = np.float64(x[i]) - mean
+        acc += d * d
+    r = np.float32(1.0 / np.sqrt(acc / n + eps))
+    m = np.float32(mean)
+    for i in range(n):
+        out[i] = ((x[i] - m) * r) * w[i] + b[i]
+
+
+@njit(parallel=True, cache=True, fastmath=_FM)
+def _layernorm(x, w, b, eps, out):
+    # x, out: (S, n); w, b: (n,)
+    for s in prange(x.shape[0]):
+        _layernorm_row(x[s], w, b, eps, out[s])
+
+
+def layernorm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
+    """`(x - mean(x)) / sqrt(var(x) + eps) * w + b` over the last axis of `x` ((n,) or (S, n)),
+    the biased variance as torch's LayerNorm has it. `out` may be `x` (normed in place)."""
+    x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, np.shape(x)[-1])
+    n = x2.shape[1]
+    if np.shape(w) != (n,) or np.shape(b) != (n,):
+        raise ValueError(f"layernorm: weight has shape {np.shape(w)} and bias {np.shape(b)} but x has {n} "
+                         f"features; both need ({n},)")
+    if out is not None and (out.shape != np.shape(x) or out.dtype != np.float32 or not out.flags.c_contiguous):
+        raise ValueError(f"layernorm: out must be a C-contiguous float32 array of x's shape {np.shape(x)}")
+    res = np.empty_like(x2) if out is None else out.reshape(x2.shape)
+    _layernorm(x2, np.ascontiguousarray(w, dtype=np.float32), np.ascontiguousarray(b, dtype=np.float32),
+               float(eps), res)
+    return out if out is not None else res.reshape(np.shape(x))
+
+
+_SQRT1_2 = 0.7071067811865476
+
+
+@njit(parallel=True, cache=True, fastmath=_FM)
+def _gelu(x, out):
+    # x, out: (S, n); out may be x. erf in float64, then rounded: GELU as torch computes it
+    for s in prange(x.shape[0]):
+        for i in range(x.shape[1]):
+            v = np.float64(x[s, i])
+            out[s, i] = np.float32(0.5 * v * (1.0 + math.erf(v * _SQRT1_2)))
+
+
+def gelu(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """GELU with the exact error function, `x/2 (1 + erf(x / sqrt(2)))` (BERT's "gelu"),
+    elementwise over (n,) or (S, n). `out` may be `x` (in place)."""
+    x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, np.shape(x)[-1])
+    if out is not None and (out.shape != np.shape(x) or out.dtype != np.float32 or not out.flags.c_contiguous):
+        raise ValueError(f"gelu: out must be a C-contiguous float32 array of x's shape {np.shape(x)}")
+    res = np.empty_like(x2) if out is None else out.reshape(x2.shape)
+    _gelu(x2, res)
+    return out if out is not None else res.reshape(np.shape(x))
 
 
 ACTS = {"silu": 0, "gelu_tanh": 1}  # FFN activations by name -> the code the kernels take

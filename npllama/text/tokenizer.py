@@ -14,6 +14,13 @@ Three vocabulary kinds are supported, chosen by the metadata key `tokenizer.ggml
   each text segment when `tokenizer.ggml.add_space_prefix` says so (Gemma 3 says not).
 * ``"gemma4"``: BPE with the file's merges on UTF-8 text whose spaces become ``▁``, with byte
   fallback and no leading space.
+* ``"bert"``: WordPiece (BERT and the encoders converted from it). llama.cpp's converter stores
+  a word-initial piece as ``▁piece`` and a continuation (HF's ``##piece``) as ``piece``; they are
+  turned back into HF's form, and the text is split as HF's BERT tokenizer does (its normaliser:
+  control characters dropped, CJK characters spaced, lower-casing and accent stripping when
+  `tokenizer.ggml.normalizer.lowercase` says so, or, where the file does not say, when the
+  vocabulary is uncased (no piece changes under lower-casing); its pre-tokeniser: whitespace
+  and punctuation). An encoder's input adds ``[CLS]`` and ``[SEP]`` (`encode_input`).
 
 Every vocabulary is checked when it is built: the token, type and score arrays must agree in
 length, token texts must be unique valid text, types must lie in 1..6, and every merge must name
@@ -162,6 +169,19 @@ except OSError:
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _SPM_SPACE = "\u2581"
+
+
+def _wordpiece_piece(token: str, kind: int) -> str:
+    """HF's WordPiece piece of a GGUF token: llama.cpp's converter writes a word's first piece
+    as '▁' + piece and a continuation '##piece' as 'piece'; control tokens, and (in older
+    files) bracketed ones such as '[unused0]', are kept as they are."""
+    if kind == TOKEN_CONTROL:
+        return token
+    if token.startswith(_SPM_SPACE):
+        return token[1:]
+    if token.startswith("[") and token.endswith("]"):
+        return token
+    return "##" + token
 
 
 def _gpt2_byte_decoder() -> dict[str, int]:
@@ -339,12 +359,16 @@ class _Vocabulary:
     tokens: Sequence[str]  # the file's StringArray, or a list
     types: Sequence[int]  # the file's array, or a list
     scores: Sequence[float] | None
-    merges: Sequence[str] | None  # "left right", checked; None for SentencePiece: derived from the scores
+    merges: Sequence[str] | None  # "left right", checked; None for SentencePiece and WordPiece
     bos_id: int | None
     eos_id: int | None
     unk_id: int | None
+    sep_id: int | None
     eot_ids: frozenset[int]
     add_bos: bool
+    add_eos: bool
+    add_sep: bool
+    lowercase: bool | None  # WordPiece: tokenizer.ggml.normalizer.lowercase; None: inferred from the pieces
     add_space_prefix: bool
     chat_template: str | None
 
@@ -384,9 +408,10 @@ def check_metadata(meta: Mapping[str, Any], *, passed: bool = False) -> "_Vocabu
 
 def _read_vocabulary(meta: Mapping[str, Any], passed: bool = False) -> _Vocabulary:
     model = _meta_str(meta, "tokenizer.ggml.model")
-    if model not in ("gpt2", "llama", "gemma4"):
+    if model not in ("gpt2", "llama", "gemma4", "bert"):
         raise GGUFError(f"unsupported tokenizer model tokenizer.ggml.model={model!r}; supported: 'gpt2' "
-                        "(byte-level BPE), 'llama' (SentencePiece BPE) and 'gemma4' (BPE on UTF-8 text)")
+                        "(byte-level BPE), 'llama' (SentencePiece BPE), 'gemma4' (BPE on UTF-8 text) and "
+                        "'bert' (WordPiece)")
     pre = _meta_str(meta, "tokenizer.ggml.pre")
     spec = None
     if model == "gpt2":
@@ -412,6 +437,9 @@ def _read_vocabulary(meta: Mapping[str, Any], passed: bool = False) -> _Vocabula
     bos_id = _meta_id(meta, "tokenizer.ggml.bos_token_id", n_vocab)
     eos_id = _meta_id(meta, "tokenizer.ggml.eos_token_id", n_vocab)
     unk_id = _meta_id(meta, "tokenizer.ggml.unknown_token_id", n_vocab)
+    sep_id = _meta_id(meta, "tokenizer.ggml.seperator_token_id", n_vocab)  # GGUF's spelling
+    if model == "bert" and bos_id is None:  # [CLS] starts a WordPiece encoder's input, as BOS does
+        bos_id = _meta_id(meta, "tokenizer.ggml.cls_token_id", n_vocab)
     if "tokenizer.ggml.token_type" not in meta:  # old files: only the declared specials are control
         for tid in (bos_id, eos_id, unk_id):
             if tid is not None:
@@ -422,6 +450,14 @@ def _read_vocabulary(meta: Mapping[str, Any], passed: bool = False) -> _Vocabula
         if scores is None:
             raise GGUFError("a 'llama' (SentencePiece) vocabulary needs tokenizer.ggml.scores, one per token")
         add_space_prefix = _meta_flag(meta, "tokenizer.ggml.add_space_prefix", True)
+    elif model == "bert":  # WordPiece: the pieces alone
+        add_space_prefix = False
+        if unk_id is None:
+            raise GGUFError("a 'bert' (WordPiece) vocabulary needs tokenizer.ggml.unknown_token_id ([UNK]), "
+                            "which stands for every word it cannot split into pieces")
+        if sep_id is None:
+            raise GGUFError("a 'bert' (WordPiece) vocabulary needs tokenizer.ggml.seperator_token_id ([SEP]), "
+                            "which ends every input")
     else:  # byte-level BPE, or gemma4's BPE on UTF-8 text with spaces as '▁': merges from the file
         add_space_prefix = False
         merges = _strings(meta, "tokenizer.ggml.merges") or []
@@ -442,30 +478,42 @@ def _read_vocabulary(meta: Mapping[str, Any], passed: bool = False) -> _Vocabula
     # the family's default (when the file does not say) applies only to a vocabulary that has a BOS
     default_bos = (spec.add_bos if spec is not None else True) and bos_id is not None
     add_bos = _meta_flag(meta, "tokenizer.ggml.add_bos_token", default_bos)
+    add_eos = _meta_flag(meta, "tokenizer.ggml.add_eos_token", model == "bert")
+    add_sep = _meta_flag(meta, "tokenizer.ggml.add_sep_token", False) and sep_id is not None
+    lowercase = meta.get("tokenizer.ggml.normalizer.lowercase")
+    lowercase = _meta_flag(meta, "tokenizer.ggml.normalizer.lowercase", False) if lowercase is not None else None
     return _Vocabulary(model=model, pre=pre, spec=spec, tokens=tokens, types=types, scores=scores,
-                       merges=merges, bos_id=bos_id, eos_id=eos_id, unk_id=unk_id, eot_ids=frozenset(eot),
-                       add_bos=add_bos, add_space_prefix=add_space_prefix,
+                       merges=merges, bos_id=bos_id, eos_id=eos_id, unk_id=unk_id, sep_id=sep_id,
+                       eot_ids=frozenset(eot), add_bos=add_bos, add_eos=add_eos, add_sep=add_sep,
+                       lowercase=lowercase, add_space_prefix=add_space_prefix,
                        chat_template=_meta_str(meta, "tokenizer.chat_template"))
 
 
 class Tokenizer:
     """Encodes text to token ids and decodes them back, for one GGUF vocabulary.
 
-    Build it with `Tokenizer.from_metadata`. Attributes: `model` ("gpt2" or "llama"), `pre`,
-    `n_vocab`, `bos_id`, `eos_id` (None when the model has none), `eot_ids` (ids that end a
-    turn), `add_bos` (the default of `encode`), `add_space_prefix`, `chat_template` (or None).
+    Build it with `Tokenizer.from_metadata`. Attributes: `model` ("gpt2", "llama", "gemma4" or
+    "bert"), `pre`, `n_vocab`, `bos_id` ([CLS] for WordPiece), `eos_id`, `sep_id` ([SEP]; each
+    None when the model has none), `eot_ids` (ids that end a turn), `add_bos` (the default of
+    `encode`), `add_eos` and `add_sep` (whether `encode_input` ends a text with EOS ([SEP])
+    and puts the separator between a pair's texts),
+    `add_space_prefix`, `chat_template` (or None).
     """
 
     def __init__(self, *, model: str, pre: str | None, tokens: Sequence[str], token_types: Sequence[int],
                  hf: _HFTokenizer, bos_id: int | None, eos_id: int | None, eot_ids: frozenset[int],
-                 add_bos: bool, add_space_prefix: bool, chat_template: str | None):
+                 add_bos: bool, add_space_prefix: bool, chat_template: str | None, sep_id: int | None = None,
+                 add_eos: bool = False, add_sep: bool = False):
         self.model = model
         self.pre = pre
         self.n_vocab = len(tokens)
         self.bos_id = bos_id
         self.eos_id = eos_id
+        self.sep_id = sep_id
         self.eot_ids = eot_ids
         self.add_bos = add_bos
+        self.add_eos = add_eos
+        self.add_sep = add_sep
         self.add_space_prefix = add_space_prefix
         self.chat_template = chat_template
         # a file's StringArray is kept as it is (its bytes: ~3 MiB less than the strings for a
@@ -506,9 +554,11 @@ class Tokenizer:
         tokens = list(v.tokens)  # decoded once (a file's StringArray decodes on each read)
         types = np.asarray(v.types)
         index = dict(zip(tokens, range(len(tokens))))  # the pieces are unique: checked
-        merges = (_merge_pairs(v.merges) if v.merges is not None else
+        merges = (_merge_pairs(v.merges) if v.merges is not None else [] if v.model == "bert" else
                   _spm_merges(tokens, v.scores, v.tokens if isinstance(v.tokens, StringArray) else None))
-        if v.spec is not None:
+        if v.model == "bert":
+            hf = cls._build_wordpiece(tokens, types, v.unk_id, v.lowercase)
+        elif v.spec is not None:
             hf = cls._build_byte_level(index, merges, v.spec)
         else:
             unk = tokens[v.unk_id] if v.unk_id is not None else None
@@ -518,7 +568,7 @@ class Tokenizer:
         hf.add_tokens([AddedToken(tokens[i], special=bool(types[i] == TOKEN_CONTROL), normalized=False) for i in added])
         return cls(model=v.model, pre=v.pre, tokens=v.tokens, token_types=v.types, hf=hf, bos_id=v.bos_id,
                    eos_id=v.eos_id, eot_ids=v.eot_ids, add_bos=v.add_bos, add_space_prefix=v.add_space_prefix,
-                   chat_template=v.chat_template)
+                   chat_template=v.chat_template, sep_id=v.sep_id, add_eos=v.add_eos, add_sep=v.add_sep)
 
     @staticmethod
     def _build_byte_level(vocab: dict[str, int], merges: list[tuple[str, str]], spec: _Pre) -> _HFTokenizer:
@@ -527,6 +577,27 @@ class Tokenizer:
         if spec.nfc:
             hf.normalizer = normalizers.NFC()
         hf.pre_tokenizer = pre_tokenizers.Sequence(_SPLITTERS[spec.family]())
+        return hf
+
+    @staticmethod
+    def _build_wordpiece(tokens: list[str], types: np.ndarray, unk_id: int, lowercase: bool | None) -> _HFTokenizer:
+        from tokenizers import Tokenizer as _HFTokenizer, models, normalizers, pre_tokenizers
+        pieces = [_wordpiece_piece(t, k) for t, k in zip(tokens, types.tolist())]
+        vocab = dict(zip(pieces, range(len(pieces))))
+        if len(vocab) < len(pieces):
+            first: dict[str, int] = {}
+            for i, piece in enumerate(pieces):
+                if first.setdefault(piece, i) != i:
+                    raise _bad("tokenizer.ggml.tokens", f"token #{i} {tokens[i]!r} is WordPiece's {piece!r}, "
+                                                        f"as token #{first[piece]} {tokens[first[piece]]!r} is")
+        # as the file says, else uncased when no piece changes under lower-casing (an uncased
+        # vocabulary cannot hold one)
+        uncased = lowercase if lowercase is not None else \
+            all(p == p.lower() for p, k in zip(pieces, types.tolist()) if k != TOKEN_CONTROL)
+        hf = _HFTokenizer(models.WordPiece(vocab, unk_token=pieces[unk_id], max_input_chars_per_word=100))
+        hf.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
+                                                   strip_accents=uncased, lowercase=uncased)
+        hf.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         return hf
 
     @staticmethod
@@ -581,6 +652,31 @@ class Tokenizer:
             ids.insert(0, self.bos_id)
         return ids
 
+    def encode_input(self, text: str, pair: str | None = None) -> tuple[list[int], list[int]]:
+        """(ids, token types) of `text` as an encoder or an embedding model reads it, with the
+        special tokens the file says to add (as llama.cpp adds them): BOS ([CLS]) if `add_bos`,
+        the text, EOS ([SEP]) if `add_eos`. With `pair`, the two texts as one input (a
+        cross-encoder's query and document): BOS, the first, EOS, the separator if `add_sep`,
+        the second, EOS; so ``[CLS] a [SEP] b [SEP]`` for BERT, whose second part has token type
+        1 (else every type is 0), and ``<s> a </s></s> b </s>`` for RoBERTa. Control tokens
+        written in the texts are plain text."""
+        first = self.encode(text, add_bos=self.add_bos)
+        if self.add_eos:
+            first.append(self._end_id())
+        if pair is None:
+            return first, [0] * len(first)
+        if self.add_sep:
+            first.append(self.sep_id)
+        second = self.encode(pair, add_bos=False) + ([self._end_id()] if self.add_eos else [])
+        return first + second, [0] * len(first) + [int(self.model == "bert")] * len(second)
+
+    def _end_id(self) -> int:
+        end = self.eos_id if self.eos_id is not None else self.sep_id
+        if end is None:
+            raise ValueError("tokenizer.ggml.add_eos_token is set but the model has no EOS token "
+                             "(tokenizer.ggml.eos_token_id) to end its input with")
+        return end
+
     def encode_inner(self, text: str) -> list[int]:
         """Token ids of `text` as it is tokenized inside a longer text: no BOS, no SentencePiece
         space prefix (`add_space_prefix`), control tokens written in it as plain text. For
@@ -629,7 +725,7 @@ class Tokenizer:
         """Text of the token ids. Invalid UTF-8 becomes U+FFFD; `skip_special` drops control tokens.
 
         For SentencePiece vocabularies with `add_space_prefix`, one leading space is removed, as the
-        HF tokenizer does (the space that `encode` added).
+        HF tokenizer does (the space that `encode` added); so for WordPiece (its first word's '▁').
         """
         parts = []
         for pos, tid in enumerate(ids):
@@ -637,7 +733,7 @@ class Tokenizer:
             if not (skip_special and tid in self._control):
                 parts.append(self._token_bytes(tid))
         text = b"".join(parts).decode("utf-8", errors="replace")
-        if self.add_space_prefix and text.startswith(" "):
+        if (self.add_space_prefix or self.model == "bert") and text.startswith(" "):
             text = text[1:]
         return text
 
