@@ -49,10 +49,11 @@ def test_the_cache_root_follows_the_environment(tmp_path):
 def test_the_stamps_hold_the_amx_choice():
     """Compiled panel products differ with cpu.AMX, which Numba's key does not hold:
     $NPLLAMA_AMX=0 turns AMX off, and the kernels' stamps with it."""
-    off = cachestamp.ModuleStamps(extra="|own-copies").stamp("kernels.panels")  # linking's, installed on import
+    linked = "|own-copies|out-of-line"  # linking's, installed on import
+    off = cachestamp.ModuleStamps(extra=linked).stamp("kernels.panels")
     assert cachestamp.module_stamp("kernels.panels") == (
-        cachestamp.ModuleStamps(extra="amx|own-copies").stamp("kernels.panels") if cpu.AMX else off)
-    assert cachestamp.ModuleStamps(extra="amx|own-copies").stamp("kernels.panels") != off
+        cachestamp.ModuleStamps(extra="amx" + linked).stamp("kernels.panels") if cpu.AMX else off)
+    assert cachestamp.ModuleStamps(extra="amx" + linked).stamp("kernels.panels") != off
     code = "from npllama.kernels import cachestamp, cpu; print(cpu.AMX, cachestamp.module_stamp('kernels.panels'))"
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "NPLLAMA_AMX": "0"}, capture_output=True,
                          text=True, check=True).stdout.split()
