@@ -5,7 +5,7 @@ PY ?= python3
 VENV ?= .venv
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: demo test bench test-numba-newest
+.PHONY: demo test bench browser test-numba-newest
 demo: $(VENV)/.installed-demo
 	$(VENV)/bin/npllama run "$(PROMPT)"
 
@@ -13,7 +13,7 @@ demo: $(VENV)/.installed-demo
 # Python threads, where the main suite spends much of its time in one-threaded Numba
 # compiles); their output follows the main suite's, and either one failing fails `make test`.
 # Each lists its slowest tests (cold Numba compiles included), to keep the whole under ~20 min.
-test: $(VENV)/.installed
+test: $(VENV)/.installed browser
 	@NUMBA_ENABLE_CUDASIM=1 $(VENV)/bin/python -m pytest --durations=10 tests/cuda > .cuda-sim.log 2>&1 & sim=$$!; \
 	trap 'kill $$sim 2>/dev/null' INT TERM; \
 	$(VENV)/bin/python -m pytest --durations=25; main=$$?; \
@@ -21,6 +21,15 @@ test: $(VENV)/.installed
 	echo "--- the CUDA backend in Numba's simulator (NUMBA_ENABLE_CUDASIM=1 pytest tests/cuda) ---"; \
 	cat .cuda-sim.log; \
 	test $$main -eq 0 && test $$cuda -eq 0
+
+# The chat page's tests (tests/test_webui.py) drive Debian's Chromium through its chromedriver:
+# installed here where missing (as root, else with sudo). NPLLAMA_SKIP_BROWSER=1 skips them instead.
+browser:
+	@if [ "$$NPLLAMA_SKIP_BROWSER" != 1 ] && ! { [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; }; then \
+		echo "installing chromium and chromium-driver for tests/test_webui.py"; \
+		sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$sudo apt-get update -q && $$sudo apt-get install -y -q chromium chromium-driver; \
+	fi
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/python bench/bench_compare.py

@@ -195,8 +195,58 @@ def cmd_serve(args) -> int:
           port=args.port, api_key=args.api_key or os.environ.get("NPLLAMA_API_KEY"), ctx=args.ctx,
           parallel=args.parallel, cors_origins=args.cors_origin or (), max_body=args.max_body,
           max_queue=args.max_queue,
-          model_id=args.alias, log_level=args.log_level)
+          model_id=args.alias, log_level=args.log_level, webui=not args.no_webui, matryoshka=args.matryoshka)
     return 0
+
+
+def _read_texts(path: str, what: str) -> list[str]:
+    """One text per line of a file, or of standard input for "-"; a blank line is an error (the
+    outputs' indices are line numbers)."""
+    if path == "-":
+        lines = sys.stdin.read().splitlines()
+    else:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            raise ValueError(f"line {i + 1} of {'standard input' if path == '-' else path} is blank; give one "
+                             f"{what} per line")
+    if not lines:
+        raise ValueError(f"{'standard input' if path == '-' else path} has no {what}s: give one per line")
+    return lines
+
+
+def cmd_embed(args) -> int:
+    if args.output is not None and not args.output.endswith(".npy"):
+        raise ValueError(f"-o/--output must name a .npy file, got {args.output!r}")
+    texts = _read_texts(args.file, "text")
+    model = _load(args)
+    vectors = model.embed(texts, normalize=not args.no_normalize, pooling=args.pooling, truncate=args.truncate)
+    if args.output is not None:
+        import numpy as np
+        np.save(args.output, vectors)
+        print(f"npllama embed: {vectors.shape[0]} vectors of {vectors.shape[1]} float32 in {args.output}",
+              file=sys.stderr)
+        return 0
+    for i, v in enumerate(vectors):
+        print(json.dumps({"index": i, "embedding": v.tolist()}))
+    return 0
+
+
+def cmd_rerank(args) -> int:
+    documents = _read_texts(args.file, "document")
+    model = _load(args)
+    for r in model.rerank(args.query, documents, top_n=args.top_n, truncate=args.truncate):
+        print(json.dumps(r, ensure_ascii=False))
+    return 0
+
+
+def _matryoshka(value: str):
+    """--matryoshka SIZES: the comma-separated sizes as a list (the bare flag is True: any size)."""
+    try:
+        return [int(v) for v in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected sizes such as 64,128,256, got {value!r}") from None
 
 
 def cmd_compile(args) -> int:
@@ -288,10 +338,31 @@ def build_parser() -> argparse.ArgumentParser:
                    "are answered 503 (default 256)")
     p.add_argument("--max-body", type=int, default=4 << 20, help="largest request body in bytes (default 4 MiB)")
     p.add_argument("--alias", help="the model name /v1/models shows (default: the file name)")
+    p.add_argument("--no-webui", action="store_true", help="do not serve the browser chat page at /")
+    p.add_argument("--matryoshka", nargs="?", const=True, default=False, type=_matryoshka, metavar="SIZES",
+                   help="the embedding model is Matryoshka-trained: /v1/embeddings accepts `dimensions` (any "
+                   "size, or only the comma-separated SIZES)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default info)")
     _add_device_flag(p)
     p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("embed", help="embed texts, one per line: JSON lines {index, embedding}, or a .npy")
+    p.add_argument("file", metavar="FILE", help="texts, one per line ('-': standard input)")
+    p.add_argument("-o", "--output", metavar="OUT.npy", help="write an (n, n_embd) float32 .npy instead")
+    p.add_argument("--pooling", choices=["mean", "cls", "last"], help="override the file's pooling")
+    p.add_argument("--no-normalize", action="store_true", help="do not L2-normalise the vectors")
+    p.add_argument("--truncate", action="store_true", help="cut texts past the context instead of failing")
+    _add_model_flags(p)
+    p.set_defaults(func=cmd_embed, device="cpu")
+    p = sub.add_parser("rerank", help="rank documents, one per line, by relevance to QUERY (a reranker model): "
+                       "JSON lines {index, relevance_score, document}, most relevant first")
+    p.add_argument("query", metavar="QUERY", help="the query")
+    p.add_argument("file", metavar="FILE", help="documents, one per line ('-': standard input)")
+    p.add_argument("--top-n", type=int, help="print only the N most relevant")
+    p.add_argument("--truncate", action="store_true", help="cut query-document pairs past the context instead "
+                   "of failing")
+    _add_model_flags(p)
+    p.set_defaults(func=cmd_rerank, device="cpu")
     p = sub.add_parser("compile", help="compile every kernel a model runs ahead of its first use (for images, "
                        "CI caches and cluster workers)")
     p.add_argument("-m", "--model", help="path to a .gguf (default: $NPLLAMA_MODEL, else SmolLM2-135M-Instruct Q4_1)")

@@ -10,7 +10,7 @@ process and shared by every predictor of that process with the same model, activ
 dtype and thread count (Dask unpickles a predictor for each task; each would otherwise load).
 
 Each row's result is the single-call API's on that row (`model.generate`, `model.chat`,
-`model.embed`, the sum of `model.score`'s logprobs), whatever the batching: every row samples
+`model.embed`, `model.rerank`, the sum of `model.score`'s logprobs), whatever the batching: every row samples
 with its own sampler seeded with `seed`, so a seeded result depends on the seed and the row's
 content only (two identical rows give identical text), never on the batch or partition it
 came in. A bad row (not a string, empty, past the context) raises one BadRowError naming it,
@@ -29,6 +29,7 @@ import numpy as np
 from .engine.session import check_ctx
 from .engine.transformer import _kv_dtype
 from .errors import BadRowError, show
+from .generation.embedding import ranking, relevance
 from .generation.generate import SAMPLING_KEYS, check_max_tokens, check_stop, fit_prompt, prompt_ids
 from .generation.sampling import SamplingParams
 from .gguf.hub import resolve_model
@@ -37,7 +38,9 @@ from .model import Model
 
 __all__ = ["BatchPredictor", "process_stats"]
 
-OUTPUT_COLUMNS = {"generate": "generated_text", "chat": "generated_text", "embed": "embedding", "score": "logprob"}
+OUTPUT_COLUMNS = {"generate": "generated_text", "chat": "generated_text", "embed": "embedding", "score": "logprob",
+                  "rerank": "reranked"}
+_RERANK_OPTIONS = ("top_n", "truncate")  # model.rerank's keywords
 _NOT_IN_A_BATCH = ("stream", "session")  # generation keywords that mean nothing for a batch
 
 _lock = threading.Lock()
@@ -56,8 +59,13 @@ class BatchPredictor:
     """A callable that adds one output column to a batch of rows (see the module's docstring).
 
     `task`: "generate" (prompt strings -> `generated_text`), "chat" (a user message string, or a
-    list of {"role", "content"} messages -> `generated_text`), "embed" (-> `embedding`, float32)
-    or "score" (-> `logprob`, the text's total log-probability). `model_path` is a .gguf path,
+    list of {"role", "content"} messages -> `generated_text`), "embed" (-> `embedding`, float32),
+    "score" (-> `logprob`, the text's total log-probability) or "rerank" (a reranker model: each
+    row's documents, a list of strings in `input_column` (default "documents"), ranked against
+    the row's query in `query_column` (default "query"), or against one fixed `query=` for every
+    row -> `reranked`, `model.rerank`'s list of {"index", "relevance_score", "document"}, most
+    relevant first; options `top_n` and `truncate`; every pair of the batch runs in the same
+    packed passes). `model_path` is a .gguf path,
     or None for $NPLLAMA_MODEL or the default model. `threads`: else $NPLLAMA_NUM_THREADS, else
     $OMP_NUM_THREADS (Ray sets it from num_cpus, the Dask nanny to 1), else the physical cores
     of the process's CPU affinity; set in the calling thread on every call. `options` are the
@@ -69,10 +77,13 @@ class BatchPredictor:
     """
 
     def __init__(self, model_path: str | os.PathLike | None = None, *, task: str = "generate",
-                 input_column="prompt", output_column=None, threads: int | None = None,
-                 activations: str = "f32", kv_dtype=None, **options):
+                 input_column=None, output_column=None, query: str | None = None, query_column=None,
+                 threads: int | None = None, activations: str = "f32", kv_dtype=None, **options):
         if task not in OUTPUT_COLUMNS:
             raise ValueError(f"task must be one of {', '.join(map(repr, OUTPUT_COLUMNS))}, got {show(task)}")
+        if input_column is None:
+            input_column = "documents" if task == "rerank" else "prompt"
+        query, query_column = _rerank_query(task, query, query_column, input_column)
         output_column = OUTPUT_COLUMNS[task] if output_column is None else output_column
         if output_column == input_column:
             raise ValueError(f"output_column {output_column!r} is the input column; name the output differently")
@@ -80,6 +91,12 @@ class BatchPredictor:
             raise ValueError(f"activations must be 'f32' or 'int8', got {show(activations)}")
         if task in ("embed", "score") and options:
             raise TypeError(f"task {task!r} takes no generation options, got {', '.join(sorted(options))}")
+        if task == "rerank" and set(options) - set(_RERANK_OPTIONS):
+            raise TypeError(f"task 'rerank' takes only {' and '.join(_RERANK_OPTIONS)}, got "
+                            f"{', '.join(sorted(set(options) - set(_RERANK_OPTIONS)))}")
+        top_n = options.get("top_n")
+        if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1):
+            raise ValueError(f"top_n must be a positive integer or None, got {show(top_n)}")
         for name in _NOT_IN_A_BATCH:
             if name in options:
                 raise TypeError(f"{name}= is not an option of a batch: each row's text is returned whole")
@@ -91,6 +108,7 @@ class BatchPredictor:
             check_stop(options["stop"])
         self.model_path = None if model_path is None else os.fspath(model_path)
         self.task, self.input_column, self.output_column = task, input_column, output_column
+        self.query, self.query_column = query, query_column
         self.threads = check_threads(threads)
         self.activations = activations
         kv = _kv_dtype(kv_dtype, activations) if kv_dtype is not None else None
@@ -99,8 +117,8 @@ class BatchPredictor:
         self._model: Model | None = None
 
     # ---- configuration only: pickles, hashes and prints without the model --------------------
-    _CONFIG = ("model_path", "task", "input_column", "output_column", "threads", "activations", "kv_dtype",
-               "options")
+    _CONFIG = ("model_path", "task", "input_column", "output_column", "query", "query_column", "threads",
+               "activations", "kv_dtype", "options")
 
     def __getstate__(self) -> dict:
         return {name: getattr(self, name) for name in self._CONFIG}
@@ -142,7 +160,10 @@ class BatchPredictor:
         else:
             model = self.model
             with using_threads(model.threads):  # Numba's count is per thread: set it in the caller's
-                out = getattr(self, "_" + self.task)(model, values, rows)
+                if self.task == "rerank":
+                    out = self._rerank(model, values, rows, self._queries(batch, len(values)))
+                else:
+                    out = getattr(self, "_" + self.task)(model, values, rows)
                 used = numba.get_num_threads()
             with _lock:
                 _stats["calls"] += 1
@@ -172,15 +193,62 @@ class BatchPredictor:
 
     def _embed(self, model, values, rows):
         texts = [rows.text(i, v) for i, v in enumerate(values)]
-        out = np.empty((len(texts), model.config.n_embd), np.float32)
-        for i, text in enumerate(texts):
-            out[i] = rows.run(i, model.embed, text)[0]
+        if not texts:  # an empty Ray Data batch: an empty (0, n_embd) column
+            return np.empty((0, model.config.n_embd), np.float32)
+        try:
+            return model.embed(texts)  # packed into batched passes: the same bits as one at a time
+        except ValueError:  # a row's own problem (past the context): its row named
+            for i, text in enumerate(texts):
+                rows.run(i, model.embed, text)
+            raise
+
+    def _queries(self, batch, n: int) -> list[str]:
+        """Each row's query: the fixed one, or the query column's, checked."""
+        if self.query is not None:
+            return [self.query] * n
+        _, values, labels = _read(batch, self.query_column)
+        rows = _Rows(self.query_column, values, labels)
+        return [rows.text(i, v) for i, v in enumerate(values)]
+
+    def _rerank(self, model, values, rows, queries):
+        docs = [rows.documents(i, v) for i, v in enumerate(values)]
+        opts = self.options
+        pairs = [(q, d) for q, ds in zip(queries, docs) for d in ds]
+        try:
+            scores = relevance(model, pairs, truncate=opts.get("truncate", False))
+        except ValueError:  # a row's own problem (a pair past the context): its row named
+            for i, (q, ds) in enumerate(zip(queries, docs)):
+                rows.run(i, model.rerank, q, ds, **opts)
+            raise
+        out = np.empty(len(values), object)
+        at = 0
+        for i, ds in enumerate(docs):
+            out[i] = ranking(scores[at:at + len(ds)], ds, opts.get("top_n"))
+            at += len(ds)
         return out
 
     def _score(self, model, values, rows):
         texts = [rows.text(i, v) for i, v in enumerate(values)]
         return np.array([float(rows.run(i, model.score, t)[1].astype(np.float64).sum())
                          for i, t in enumerate(texts)], np.float64)
+
+
+def _rerank_query(task: str, query, query_column, input_column) -> tuple:
+    """(query, query_column) as a rerank predictor keeps them (one of the two), checked."""
+    if task != "rerank":
+        if query is not None or query_column is not None:
+            raise TypeError(f"query= and query_column= are for task='rerank', not {task!r}")
+        return None, None
+    if query is not None:
+        if query_column is not None:
+            raise ValueError("pass query= (one query for every row) or query_column= (each row's), not both")
+        if not isinstance(query, str) or not query:
+            raise ValueError(f"query must be a non-empty string, got {show(query)}")
+        return query, None
+    query_column = "query" if query_column is None else query_column
+    if query_column == input_column:
+        raise ValueError(f"query_column {query_column!r} is the documents' column (input_column); name them apart")
+    return None, query_column
 
 
 def _chat_ids(model, messages) -> list[int]:
@@ -211,6 +279,19 @@ class _Rows:
         if not value:
             self.fail(i, "the text is empty")
         return value
+
+    def documents(self, i: int, value) -> list[str]:
+        """A rerank row: a non-empty list of document strings. A string is refused, not taken as
+        one document: Dask turns list columns into their text unless told not to."""
+        if isinstance(value, str):
+            self.fail(i, "expected a list of document strings, got a string (one document: ['...']; Dask "
+                         "makes list columns strings unless dask.config.set({'dataframe.convert-string': False}))")
+        if not isinstance(value, (list, tuple, np.ndarray)) or not len(value):
+            self.fail(i, f"expected a non-empty list of document strings, got {type(value).__name__} {show(value)}")
+        for j, d in enumerate(value):
+            if not isinstance(d, str) or not d:
+                self.fail(i, f"document {j} is empty or not a string ({type(d).__name__} {show(d)})")
+        return [str(d) for d in value]
 
     def messages(self, i: int, value) -> list:
         """A chat row: a user message string, or a list of message mappings."""

@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -92,3 +93,56 @@ def test_type_checkers_see_the_same_names():
     block = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
     seen = {(("." * imp.level) + imp.module, alias.name) for imp in block.body for alias in imp.names}
     assert seen == {(module, name) for module, names in npllama._EXPORTS.items() for name in names}
+
+
+EMBED = Path(__file__).parent / "fixtures" / "embed"
+
+
+def test_embed_json_lines_and_npy(tmp_path):
+    import numpy as np
+
+    from npllama import load
+    texts = ["the quick brown fox", "Héllo, wörld!", "a"]
+    want = load(EMBED / "bert.gguf").embed(texts)
+    src = tmp_path / "texts.txt"
+    src.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    r = npllama("embed", "-m", EMBED / "bert.gguf", src)
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [line["index"] for line in lines] == [0, 1, 2]
+    np.testing.assert_array_equal(np.array([line["embedding"] for line in lines], np.float32), want)
+    out = tmp_path / "v.npy"
+    r = npllama("embed", "-m", EMBED / "bert.gguf", "-", "-o", out, "--pooling", "cls", "--no-normalize",
+                stdin="\n".join(texts))
+    assert r.returncode == 0 and r.stdout == "", r.stderr
+    got = np.load(out)
+    assert got.dtype == np.float32 and got.shape == (3, 64)
+    np.testing.assert_array_equal(got, load(EMBED / "bert.gguf").embed(texts, pooling="cls", normalize=False))
+    assert "line 2 of standard input is blank" in one_line_error(
+        npllama("embed", "-m", EMBED / "bert.gguf", "-", stdin="a\n\nb\n"), 1)
+    assert ".npy" in one_line_error(npllama("embed", "-m", EMBED / "bert.gguf", src, "-o", tmp_path / "v.txt"), 1)
+    assert "is a reranker" in one_line_error(npllama("embed", "-m", EMBED / "roberta-rerank.gguf", src), 1)
+    assert "302 tokens" in one_line_error(npllama("embed", "-m", EMBED / "bert.gguf", "-", stdin="fox " * 300), 1)
+
+
+def test_rerank_json_lines(tmp_path):
+    from npllama import load
+    docs = ["the fox jumps over the dog", "stock prices fell today", "a quick brown fox"]
+    want = load(EMBED / "roberta-rerank.gguf").rerank("what does the fox do", docs)
+    r = npllama("rerank", "-m", EMBED / "roberta-rerank.gguf", "what does the fox do", "-", stdin="\n".join(docs))
+    assert r.returncode == 0, r.stderr
+    assert [json.loads(line) for line in r.stdout.splitlines()] == want
+    r = npllama("rerank", "-m", EMBED / "roberta-rerank.gguf", "--top-n", "1", "what does the fox do", "-",
+                stdin="\n".join(docs))
+    assert [json.loads(line) for line in r.stdout.splitlines()] == want[:1]
+    assert "not a reranker" in one_line_error(npllama("rerank", "-m", EMBED / "bert.gguf", "q", "-", stdin="d"), 1)
+    assert "no documents" in one_line_error(npllama("rerank", "-m", EMBED / "bert.gguf", "q", "-", stdin=""), 1)
+
+
+def test_serve_matryoshka_flag():
+    from npllama.cli import build_parser
+    parse = build_parser().parse_args
+    assert parse(["serve"]).matryoshka is False
+    assert parse(["serve", "--matryoshka"]).matryoshka is True
+    assert parse(["serve", "--matryoshka", "64,128"]).matryoshka == [64, 128]
+    assert "expected sizes such as" in one_line_error(npllama("serve", "--matryoshka", "big"), 2)

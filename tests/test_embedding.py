@@ -137,3 +137,22 @@ def test_decoder_pooling_follows_its_hidden_states():
         for got, v in ((last[i], h[-1].astype(np.float64)), (mean[i], h.astype(np.float64).mean(0))):
             np.testing.assert_allclose(got, v / np.linalg.norm(v), rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(model.embed(text, pooling="last")[0], last[i])
+
+
+def test_relevance_of_pairs_with_different_queries(reranker):
+    """Pairs of several queries scored in the same passes: each query's rerank() scores, bit for bit."""
+    model, f = reranker
+    docs = [str(d) for d in f["documents"]]
+    queries = [str(f["query"]), "another question entirely"]
+    scores = embedding.relevance(model, [(q, d) for q in queries for d in docs])
+    for k, q in enumerate(queries):
+        got = scores[k * len(docs):(k + 1) * len(docs)]
+        assert embedding.ranking(got, docs) == model.rerank(q, docs)
+    with pytest.raises(ValueError, match="needs at least one"):
+        embedding.relevance(model, [])
+    with pytest.raises(ValueError, match="pair 1 must be a .query, document. tuple"):
+        embedding.relevance(model, [("q", "d"), "qd"])
+    with pytest.raises(ValueError, match="the document of pair 0 is empty"):
+        embedding.relevance(model, [("q", "")])
+    with pytest.raises(ValueError, match="pair 0 is .* tokens, past the model's context"):
+        embedding.relevance(model, [("q", "fox " * 300)])

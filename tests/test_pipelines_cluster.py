@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 
+import dask
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
@@ -173,3 +174,33 @@ def test_dask_bad_row_fails_naming_it(dask_client, tiny_model_path, rows):
     meta = ddf._meta.assign(generated_text=pd.Series(dtype=object))
     with pytest.raises(BadRowError, match=r"row 1 \(index 9\) of the batch, column 'prompt', value '': the text is empty"):
         ddf.map_partitions(BatchPredictor(tiny_model_path, **GREEDY), meta=meta).compute()
+
+
+RERANKER = os.path.join(os.path.dirname(__file__), "fixtures", "embed", "roberta-rerank.gguf")
+DOCS = [[f"the fox number {i}", f"stock prices fell {i} points", "rain in spain"] for i in range(8)]
+
+
+def reranked(column) -> list[list[dict]]:
+    """A `reranked` column as lists of plain dicts (Ray hands lists back as arrays)."""
+    return [[{k: (v.item() if isinstance(v, np.generic) else v) for k, v in r.items()} for r in row]
+            for row in column]
+
+
+@pytest.mark.timeout(240)
+def test_rerank_on_ray_and_dask(ray_data, dask_client):
+    """task="rerank" with one fixed query, on both clusters: model.rerank's results per row.
+    (After the other Dask test: its workers then load a second model.)"""
+    from npllama import load
+    model = load(RERANKER)
+    want = [model.rerank("what does the fox do", ds, top_n=2) for ds in DOCS]
+    rows = pd.DataFrame({"id": np.arange(len(DOCS)), "documents": DOCS})
+    kwargs = {"model_path": RERANKER, "task": "rerank", "query": "what does the fox do", "top_n": 2}
+    out = ray_data.from_pandas(blocks(rows)).map_batches(
+        BatchPredictor, fn_constructor_kwargs=kwargs, compute=ray_data.ActorPoolStrategy(size=2), num_cpus=1,
+        batch_size=4).to_pandas()
+    assert list(out["id"]) == list(range(len(DOCS))) and reranked(out["reranked"]) == want
+    with dask.config.set({"dataframe.convert-string": False}):  # else Dask makes the lists strings
+        ddf = dd.from_pandas(rows, npartitions=2)
+        got = ddf.map_partitions(BatchPredictor(**kwargs), meta={**ddf.dtypes.to_dict(), "reranked": object})
+        got = got.compute()
+    assert reranked(got.sort_values("id")["reranked"]) == want

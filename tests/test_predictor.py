@@ -284,3 +284,57 @@ def test_structured_output_passes_through_to_every_row():
         jsonschema.validate(json.loads(text), schema)
         assert text == model.generate(prompt, json_schema=schema, max_tokens=40, temperature=0.9, seed=5)
     assert len(pickle.dumps(p)) < 4096
+
+
+RERANKER = os.path.join(os.path.dirname(__file__), "fixtures", "embed", "roberta-rerank.gguf")
+QUERIES = ["what does the fox do", "stock market news", "weather"]
+DOCUMENTS = [["the fox jumps over the dog", "stock prices fell today", "a quick brown fox"],
+             ["rain in spain", "markets rallied on friday"],
+             ["sunny with clouds", "the fox", "heavy rain expected", "snow"]]
+
+
+def test_rerank_rows_equal_single_calls():
+    """Each row's documents against its own query (or one fixed query): model.rerank's results,
+    the same whether the batch is a DataFrame, NumPy arrays (Ray Data) or lists, though every
+    pair of the batch ran in the same packed passes."""
+    model = npllama.load(RERANKER)
+    want = [model.rerank(q, ds) for q, ds in zip(QUERIES, DOCUMENTS)]
+    p = BatchPredictor(RERANKER, task="rerank")
+    df = p(pd.DataFrame({"query": QUERIES, "documents": DOCUMENTS}, index=[7, 8, 9]))
+    assert list(df.columns) == ["query", "documents", "reranked"] and list(df.index) == [7, 8, 9]
+    assert df["reranked"].tolist() == want
+    docs = np.empty(3, object)
+    docs[:] = [np.array(ds) for ds in DOCUMENTS]
+    assert p({"query": np.array(QUERIES, object), "documents": docs})["reranked"].tolist() == want
+    assert p({"query": QUERIES, "documents": DOCUMENTS})["reranked"] == want
+    top = BatchPredictor(RERANKER, task="rerank", query="the fox", input_column="docs", top_n=2)
+    got = top(pd.DataFrame({"docs": DOCUMENTS}))["reranked"].tolist()
+    assert got == [model.rerank("the fox", ds, top_n=2) for ds in DOCUMENTS]
+    one = BatchPredictor(RERANKER, task="rerank", query="the fox")({"documents": [["a fox"]]})["reranked"]
+    assert one == [model.rerank("the fox", "a fox")]
+    assert "query='the fox'" in repr(top) and pickle.loads(pickle.dumps(top)).query == "the fox"
+
+
+def test_bad_rerank_rows_and_configuration(tiny_model_path):
+    p = BatchPredictor(RERANKER, task="rerank")
+    for bad, problem in ([[], "non-empty list of document strings"], [["ok", ""], "document 1 is empty"],
+                         [["fox " * 300], "context"], ["['a', 'b']", "got a string .*convert-string"]):
+        with pytest.raises(BadRowError, match=problem) as err:
+            p({"query": QUERIES[:2], "documents": [DOCUMENTS[0], bad]})
+        assert err.value.row == 1 and "column 'documents'" in str(err.value)
+    with pytest.raises(BadRowError, match="row 0 .*column 'query'.*the text is empty"):
+        p({"query": ["", "q"], "documents": DOCUMENTS[:2]})
+    with pytest.raises(KeyError, match="no column 'query'"):
+        p({"documents": DOCUMENTS})
+    with pytest.raises(BadRowError, match="not a reranker"):
+        BatchPredictor(tiny_model_path, task="rerank", query="q")({"documents": [["d"]]})
+    with pytest.raises(ValueError, match="not both"):
+        BatchPredictor(RERANKER, task="rerank", query="q", query_column="q")
+    with pytest.raises(TypeError, match="are for task='rerank'"):
+        BatchPredictor(RERANKER, task="embed", query="q")
+    with pytest.raises(TypeError, match="takes only top_n and truncate"):
+        BatchPredictor(RERANKER, task="rerank", max_tokens=3)
+    with pytest.raises(ValueError, match="top_n must be a positive integer"):
+        BatchPredictor(RERANKER, task="rerank", top_n=0)
+    with pytest.raises(ValueError, match="is the documents' column"):
+        BatchPredictor(RERANKER, task="rerank", query_column="documents")

@@ -31,7 +31,7 @@ from ..kernels.nn import rmsnorm
 from ..kernels.rows import matmul_rows as mm
 from ..kernels.threads import using_threads
 
-__all__ = ["embed", "rerank", "PASS_TOKENS"]
+__all__ = ["embed", "rerank", "relevance", "ranking", "is_reranker", "PASS_TOKENS"]
 
 PASS_TOKENS = 2048  # tokens of packed texts per batched pass (a longer text has a pass of its own)
 _POOLINGS = ("mean", "cls", "last")
@@ -72,12 +72,40 @@ def rerank(model, query: str, documents: Sequence[str], *, top_n: int | None = N
     documents = _texts(documents, "document", "rerank()")
     if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1):
         raise ValueError(f"top_n must be a positive integer or None, got {top_n!r}")
-    inputs = [_input(model, query, d, truncate, f"document {i}") for i, d in enumerate(documents)]
-    scores = np.empty(len(documents), np.float32)
-    for i, h in _hidden(model, inputs):
-        scores[i] = head(h[:1])[0]
+    scores = _scores(model, head, [(query, d) for d in documents], truncate, "document")
+    return ranking(scores, documents, top_n)
+
+
+def ranking(scores: np.ndarray, documents: Sequence[str], top_n: int | None = None) -> list[dict]:
+    """`rerank`'s results from the documents' scores: most relevant first, ties in input order."""
     order = np.argsort(-scores, kind="stable")[:top_n]
     return [{"index": int(i), "relevance_score": float(scores[i]), "document": documents[i]} for i in order]
+
+
+def relevance(model, pairs: Sequence[tuple[str, str]], *, truncate: bool = False) -> np.ndarray:
+    """(n,) float32: the cross-encoder's score of each (query, document) pair, all of them in
+    batched passes whatever their queries (what `rerank` computes for one query; a data
+    pipeline scores every row's pairs at once). ValueError as `rerank` gives, naming the pair."""
+    head = _rank_head(model)
+    pairs = list(pairs)
+    if not pairs:
+        raise ValueError("relevance() needs at least one (query, document) pair; the list is empty")
+    for i, pair in enumerate(pairs):
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise ValueError(f"pair {i} must be a (query, document) tuple, got {type(pair).__name__} {pair!r:.40}")
+        for name, t in zip(("query", "document"), pair):
+            if not isinstance(t, str) or not t:
+                raise ValueError(f"the {name} of pair {i} is empty or not a string ({type(t).__name__} {t!r:.40})")
+    return _scores(model, head, pairs, truncate, "pair")
+
+
+def _scores(model, head, pairs: list[tuple[str, str]], truncate: bool, name: str) -> np.ndarray:
+    """(n,) float32 scores of checked (query, document) pairs, from packed passes."""
+    inputs = [_input(model, q, d, truncate, f"{name} {i}") for i, (q, d) in enumerate(pairs)]
+    scores = np.empty(len(pairs), np.float32)
+    for i, h in _hidden(model, inputs):
+        scores[i] = head(h[:1])[0]
+    return scores
 
 
 # ---- inputs ---------------------------------------------------------------------------------
@@ -117,13 +145,20 @@ def _pooling(model, pooling: str | None) -> str:
             raise ValueError(f"pooling must be one of {', '.join(_POOLINGS)} (or None: the file's), got {pooling!r}")
         return pooling
     how = cfg.pooling
-    if how == "rank" or (how is None and _has_head(model)):
+    if is_reranker(model):
         raise ValueError("this model is a reranker (a cross-encoder): use model.rerank(query, documents), or "
                          "pass pooling='mean', 'cls' or 'last' to embed with its hidden states")
     if how == "none":
         raise ValueError(f"the file's pooling type ('{cfg.arch}.pooling_type') is 'none', one vector per token; "
                          f"pass pooling='mean', 'cls' or 'last' for one per text")
     return how or "mean"
+
+
+def is_reranker(model) -> bool:
+    """Whether the file is a reranker's: pooling type "rank", or none and a classification head
+    (what `embed` refuses without `pooling=` and `rerank` reads)."""
+    how = model.config.pooling
+    return how == "rank" or (how is None and _has_head(model))
 
 
 def _has_head(model) -> bool:

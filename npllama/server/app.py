@@ -10,7 +10,6 @@ in `app.state.internal_errors`.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import hmac
 import json
@@ -19,7 +18,6 @@ import os
 import time
 import uuid
 
-import numpy as np
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -34,7 +32,9 @@ from ..errors import ChatTemplateError, ContextOverflowError
 from ..generation import tools as T
 from ..generation.generate import prompt_ids
 from ..generation.structured import constraint as make_constraint
+from . import embeddings as E
 from . import protocol as P
+from . import webui as _webui
 from .engine import Engine, EngineFailure, Job, ShuttingDown
 from .protocol import APIError
 
@@ -42,8 +42,8 @@ log = logging.getLogger("npllama.server")
 
 DEFAULT_MAX_BODY = 4 << 20  # bytes; a bigger body is a 413
 DEFAULT_MAX_QUEUE = 256     # requests waiting beyond the running ones; more are a 503
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/health", "/metrics",
-          "/tokenize", "/detokenize")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank", "/rerank", "/v1/models",
+          "/health", "/metrics", "/tokenize", "/detokenize")
 
 
 def _json(obj, status: int = 200) -> Response:
@@ -74,13 +74,13 @@ async def _send_error(send, err: APIError, headers=()) -> None:
 
 
 class _Auth:
-    """`Authorization: Bearer KEY` on every route but /health, else a 401."""
+    """`Authorization: Bearer KEY` on every route but /health and the `public` paths, else a 401."""
 
-    def __init__(self, app, api_key: str):
-        self.app, self.expected = app, b"Bearer " + api_key.encode()
+    def __init__(self, app, api_key: str, public):
+        self.app, self.expected, self.public = app, b"Bearer " + api_key.encode(), public
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] != "/health" and not self.public(scope["path"]):
             got = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(got, self.expected):
                 err = APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
@@ -215,6 +215,10 @@ class _Server:
         return await self._generate(request, chat=False)
 
     async def _generate(self, request: Request, chat: bool) -> Response:
+        if not self.engine.generates:
+            raise APIError(400, f"{self.model_id} is an embedding model: it cannot generate text; it answers "
+                                f"/v1/embeddings (or /v1/rerank, for a reranker)", code="model_not_supported",
+                           param="model")
         start = time.monotonic()
         body = await self.read_json(request)
         gen = P.parse_generation(body, self.model.config.n_vocab, chat=chat)
@@ -415,30 +419,24 @@ class _Server:
         yield "data: [DONE]\n\n"
 
     # ---- other routes ----
-    async def embeddings(self, request: Request) -> Response:
-        body = await self.read_json(request)
-        texts = P.parse_embedding_input(body)
-        counts = await run_in_threadpool(lambda: [len(self.model.tokenize(t)) for t in texts])
-        for i, n in enumerate(counts):
-            if n > self.engine.ctx:
-                raise APIError(400, f"input {i} is {n} tokens; the context holds {self.engine.ctx}",
-                               code="context_length_exceeded", param="input")
-        job = Job(asyncio.get_running_loop(), texts=texts)
+    async def call(self, fn):
+        """fn(model) run on the engine thread between two steps; its result, or its error as an APIError."""
+        job = Job(asyncio.get_running_loop(), call=fn)
         self.engine.submit(job)
         ev = await job.mailbox.get()
         if ev[0] == "error":
             raise _engine_error(ev[2])
-        vectors = ev[1]
-        b64 = body.get("encoding_format") == "base64"
-        data = [{"object": "embedding", "index": i,
-                 "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode() if b64 else v.tolist()}
-                for i, v in enumerate(np.asarray(vectors, np.float32))]
-        return _json({"object": "list", "data": data, "model": self.model_id,
-                      "usage": {"prompt_tokens": sum(counts), "total_tokens": sum(counts)}})
+        return ev[1]
+
+    async def embeddings(self, request: Request) -> Response:
+        return _json(await E.embeddings(self, await self.read_json(request)))
+
+    async def rerank(self, request: Request) -> Response:
+        return _json(await E.rerank(self, await self.read_json(request)))
 
     async def models(self, request: Request) -> Response:
         return _json({"object": "list", "data": [{"id": self.model_id, "object": "model", "created": self.created,
-                                                  "owned_by": "npllama"}]})
+                                                  "owned_by": "npllama", "max_model_len": self.engine.ctx}]})
 
     async def health(self, request: Request) -> Response:
         if not self.engine.alive:
@@ -479,13 +477,17 @@ class _Server:
 
 
 def create_app(engine: Engine, *, model_id: str | None = None, api_key: str | None = None,
-               cors_origins=(), max_body: int = DEFAULT_MAX_BODY, max_queue: int = DEFAULT_MAX_QUEUE) -> Starlette:
-    """The server's ASGI app. Its lifespan starts the engine thread and stops it at shutdown."""
+               cors_origins=(), max_body: int = DEFAULT_MAX_BODY, max_queue: int = DEFAULT_MAX_QUEUE,
+               webui: bool = True, matryoshka=False) -> Starlette:
+    """The server's ASGI app (with the browser chat page at `/` unless `webui` is false or the
+    model only embeds). Its lifespan starts the engine thread and stops it at shutdown.
+    `matryoshka`: True, or the sizes, if the model is Matryoshka-trained (embeddings.py)."""
     for name, value, low in (("max_body", max_body, 1), ("max_queue", max_queue, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     model_id = model_id or os.path.splitext(os.path.basename(engine.model.path))[0]
     s = _Server(engine, model_id, max_body, max_queue)
+    s.matryoshka = E.matryoshka_sizes(matryoshka, engine.model.config.n_embd)
     internal_errors: list[BaseException] = []
 
     async def api_error(request, exc: APIError):
@@ -509,18 +511,23 @@ def create_app(engine: Engine, *, model_id: str | None = None, api_key: str | No
     routes = [Route("/v1/chat/completions", s.chat, methods=["POST"]),
               Route("/v1/completions", s.completions, methods=["POST"]),
               Route("/v1/embeddings", s.embeddings, methods=["POST"]),
+              Route("/v1/rerank", s.rerank, methods=["POST"]),
+              Route("/rerank", s.rerank, methods=["POST"]),
               Route("/v1/models", s.models, methods=["GET"]),
               Route("/health", s.health, methods=["GET"]),
               Route("/metrics", s.metrics_route, methods=["GET"]),
               Route("/tokenize", s.tokenize, methods=["POST"]),
               Route("/detokenize", s.detokenize, methods=["POST"])]
+    if webui and engine.generates:
+        routes += _webui.routes(api_key=bool(api_key))
     middleware = [Middleware(_Count, metrics=engine.metrics)]
     if cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins),
                                      allow_methods=["GET", "POST", "OPTIONS"],
                                      allow_headers=["Authorization", "Content-Type"]))
     if api_key:
-        middleware.append(Middleware(_Auth, api_key=api_key))
+        public = _webui.is_public if webui else (lambda path: False)
+        middleware.append(Middleware(_Auth, api_key=api_key, public=public))
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                     exception_handlers={APIError: api_error, HTTPException: http_error, Exception: internal_error})
     app.state.engine, app.state.internal_errors, app.state.model_id = engine, internal_errors, model_id

@@ -1,11 +1,11 @@
 """The engine thread: the one thread that runs model code.
 
-It owns the model, the KV pool and the continuous-batching `Scheduler`. HTTP handlers (on the
-event loop) never touch them: they post a `Job` (one HTTP request's choices, or an embedding
-batch) to the engine's inbox, a thread-safe queue, and read events from the job's own mailbox,
-an asyncio queue that the engine feeds through `loop.call_soon_threadsafe`. A cancellation
-(the client went away) is posted the same way and takes effect at the engine's next step,
-which frees the request's pages.
+It owns the model, the KV pool and the continuous-batching `Scheduler` (an embedding model,
+which cannot generate, has neither). HTTP handlers (on the event loop) never touch them: they
+post a `Job` (one HTTP request's choices, or a call such as an embedding batch) to the engine's
+inbox, a thread-safe queue, and read events from the job's own mailbox, an asyncio queue that
+the engine feeds through `loop.call_soon_threadsafe`. A cancellation (the client went away) is
+posted the same way and takes effect at the engine's next step, which frees the request's pages.
 
 Each loop of the thread takes everything in the inbox (new jobs join the batch at this step),
 runs one scheduler step, and posts each changed request's new tokens to its job's mailbox.
@@ -45,13 +45,14 @@ class Job:
     For generation, `prompts` holds the token ids of each prompt and `params` the checked
     protocol.Generation; choice k (of n per prompt) is prompt k // n. Events posted to the
     mailbox: ("tokens", k, [Token...]) as tokens are sampled, ("done", k, finish_reason, tail,
-    n_tokens) when choice k ends, ("error", k, exception) if it failed; an embedding job gets
-    ("embeddings", array) or ("error", 0, exception).
+    n_tokens) when choice k ends, ("error", k, exception) if it failed. A `call` job (a function
+    of the model, e.g. an embedding batch, run whole between two scheduler steps) gets
+    ("result", its return value) or ("error", 0, exception).
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, *, prompts=(), params=None, texts=(), constraint=None,
+    def __init__(self, loop: asyncio.AbstractEventLoop, *, prompts=(), params=None, call=None, constraint=None,
                  tool_plan=None):
-        self.loop, self.prompts, self.params, self.texts = loop, list(prompts), params, list(texts)
+        self.loop, self.prompts, self.params, self.call = loop, list(prompts), params, call
         self.constraint = constraint  # a compiled structured.Constraint: each choice gets its own matcher
         self.tool_plan = tool_plan    # a chat with tools: its generation.tools.ToolPlan (the reply is parsed)
         self.mailbox: asyncio.Queue = asyncio.Queue()
@@ -91,7 +92,8 @@ class Engine:
 
     The KV pool holds `parallel` full contexts, so every request that fits `ctx` runs once
     enough others have finished; requests beyond `parallel` wait in the scheduler's queue.
-    A pool that cannot fit in memory is refused here, before the server starts.
+    A pool that cannot fit in memory is refused here, before the server starts. An embedding
+    model (an encoder: `generates` is False) gets no pool and no scheduler: it only runs calls.
     """
 
     def __init__(self, model, *, ctx: int | None = None, parallel: int = 4, threads: int | None = None,
@@ -101,14 +103,17 @@ class Engine:
         self.model = model
         self.ctx = check_ctx(ctx if ctx is not None else min(model.config.n_ctx, 4096), model.config.n_ctx)
         self.parallel = parallel
-        pages = parallel * -(-self.ctx // page_size)
-        try:
-            self.pool = KVPool.for_model(model, pages, page_size=page_size, dtype=kv_dtype)
-        except MemoryLimitError as e:
-            raise MemoryLimitError(f"the server's KV pool ({parallel} sequences of {self.ctx} tokens): {e}; "
-                                   f"lower -c/--ctx or --parallel") from None
-        self.sched = Scheduler(model, self.pool, max_batch=parallel, threads=threads)
-        self.metrics = Metrics(self.pool.n_pages)
+        self.generates = model.config.causal
+        self.pool = self.sched = None
+        if self.generates:
+            pages = parallel * -(-self.ctx // page_size)
+            try:
+                self.pool = KVPool.for_model(model, pages, page_size=page_size, dtype=kv_dtype)
+            except MemoryLimitError as e:
+                raise MemoryLimitError(f"the server's KV pool ({parallel} sequences of {self.ctx} tokens): {e}; "
+                                       f"lower -c/--ctx or --parallel") from None
+            self.sched = Scheduler(model, self.pool, max_batch=parallel, threads=threads)
+        self.metrics = Metrics(self.pool.n_pages if self.pool is not None else 0)
         tok = model.tokenizer  # built now, not on the first request
         self.stop_id = min(tok.eot_ids) if tok.eot_ids else None
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -142,7 +147,7 @@ class Engine:
     def _run(self) -> None:
         try:
             while True:
-                msgs = [self.inbox.get()] if self.sched.idle else []
+                msgs = [self.inbox.get()] if self._idle else []
                 while True:
                     try:
                         msgs.append(self.inbox.get_nowait())
@@ -155,20 +160,21 @@ class Engine:
                         self._cancel(job)
                     elif self._stopping:
                         job.post(("error", 0, ShuttingDown("the server is shutting down")))
-                    elif job.texts:
-                        self._embed(job)
+                    elif job.call is not None:
+                        self._call(job)
                     else:
                         self._submit(job)
                 if self._stopping:
                     break
-                if not self.sched.idle:
+                if not self._idle:
                     self._step()
                 self._gauges()
         except BaseException as e:  # a bug in the engine itself: record it, answer every job, end
             self._fail_all(e)
             raise
         finally:
-            self.sched.close()
+            if self.sched is not None:
+                self.sched.close()
             for job in list(self.jobs):
                 job.post(("error", 0, ShuttingDown("the server is shutting down")))
             self.jobs.clear()
@@ -196,9 +202,13 @@ class Engine:
             self.sched.cancel(r)
         self.jobs.discard(job)
 
-    def _embed(self, job: Job) -> None:
+    @property
+    def _idle(self) -> bool:
+        return self.sched is None or self.sched.idle
+
+    def _call(self, job: Job) -> None:
         try:
-            job.post(("embeddings", self.model.embed(job.texts)))
+            job.post(("result", job.call(self.model)))
         except Exception as e:  # noqa: BLE001 - answered to this request
             job.post(("error", 0, e))
 
@@ -249,6 +259,8 @@ class Engine:
             job.post(("error", 0, EngineFailure(f"the engine failed: {type(e).__name__}")))
 
     def _gauges(self) -> None:
+        if self.sched is None:  # an embedding model: no sequences, no pages
+            return
         m, pool = self.metrics, self.pool
         cached = self.sched.stats["cached_tokens"]
         m.cached_tokens.inc(cached - self._cached)

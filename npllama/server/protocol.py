@@ -18,7 +18,6 @@ MAX_PROMPTS = 64        # prompts (times n) in one /v1/completions request
 MAX_STOP = 16           # stop strings
 MAX_STOP_CHARS = 256    # characters per stop string
 MAX_TOP_LOGPROBS = 20
-MAX_EMBED_INPUTS = 256
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 _short = reprlib.Repr()
@@ -291,20 +290,6 @@ def parse_prompts(body: dict) -> list:
     if any(x == "" for x in prompts):
         raise _bad("prompt", "a prompt is empty")
     return prompts
-
-
-def parse_embedding_input(body: dict) -> list[str]:
-    v = body.get("input")
-    texts = [v] if isinstance(v, str) else v
-    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
-        raise _bad("input", f"must be a non-empty string or a list of non-empty strings, got {show(v)}",
-                   "missing_required_parameter" if v is None else "invalid_type")
-    if len(texts) > MAX_EMBED_INPUTS:
-        raise _bad("input", f"at most {MAX_EMBED_INPUTS} inputs per request, got {len(texts)}")
-    fmt = body.get("encoding_format", "float")
-    if fmt not in ("float", "base64"):
-        raise _bad("encoding_format", f"must be 'float' or 'base64', got {show(fmt)}")
-    return texts
 
 
 # ---- responses -------------------------------------------------------------------------------

@@ -26,15 +26,18 @@ class _Uvicorn(uvicorn.Server):
 def build(model, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None, ctx: int | None = None,
           parallel: int = 4, threads: int | None = None, cors_origins=(), max_body: int = DEFAULT_MAX_BODY,
           max_queue: int = DEFAULT_MAX_QUEUE, model_id: str | None = None, shutdown_timeout: float = 10.0, log_level: str = "warning",
-          on_ready=None) -> _Uvicorn:
-    """A uvicorn server for a loaded `model` (not yet running: call `.run()`, or `.serve()` in a loop).
+          webui: bool = True, matryoshka=False, on_ready=None) -> _Uvicorn:
+    """A uvicorn server for a loaded `model` (not yet running: call `.run()`, or `.serve()` in a loop),
+    with the browser chat page at `/` unless `webui` is false (or the model only embeds).
+    `matryoshka`: True, or the sizes it was trained at, if the model is Matryoshka-trained
+    (`dimensions` of /v1/embeddings, see embeddings.py).
 
     For speed on a machine with few cores, no live thread but the engine's should have run
     the model's compiled code: load the model on a thread that then ends, as `serve` does (see
     there), not on the thread that will run the server."""
     engine = Engine(model, ctx=ctx, parallel=parallel, threads=threads)
     app = create_app(engine, model_id=model_id, api_key=api_key, cors_origins=cors_origins, max_body=max_body,
-                     max_queue=max_queue)
+                     max_queue=max_queue, webui=webui, matryoshka=matryoshka)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=shutdown_timeout, access_log=False)
     server = _Uvicorn(config, on_ready or (lambda url: None))
@@ -61,7 +64,8 @@ def serve(model=None, *, threads: int | None = None, activations: str = "f32", k
     engine = server.app.state.engine
 
     def ready(url):
+        chat = f"; chat in a browser at {url}/" if options.get("webui", True) and engine.generates else ""
         print(f"npllama serve: listening on {url} (model {server.app.state.model_id}, {engine.parallel} sequences "
-              f"of {engine.ctx} tokens)", flush=True)
+              f"of {engine.ctx} tokens){chat}", flush=True)
     server.on_ready = ready
     server.run()  # a port it cannot bind: uvicorn logs why and exits with status 1
