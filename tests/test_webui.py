@@ -259,15 +259,32 @@ def _requested(driver, origin="") -> list[str]:
     return urls
 
 
-def _set(driver, element_id, value):
-    """Type `value` into a setting, opening the settings first as a person would."""
+def _open_settings(driver):
     if not _by_id(driver, "settings").get_attribute("open"):
         _all(driver, "#settings summary")[0].click()
+
+
+def _set(driver, element_id, value):
+    """Type `value` into a setting, opening the settings first as a person would."""
+    _open_settings(driver)
     el = _by_id(driver, element_id)
     el.clear()
     if value != "":
         el.send_keys(str(value))
     driver.execute_script("arguments[0].dispatchEvent(new Event('change'))", el)
+
+
+def _choose(driver, element_id, value):
+    """Pick the option `value` of a select in the settings."""
+    from selenium.webdriver.support.ui import Select
+    _open_settings(driver)
+    Select(_by_id(driver, element_id)).select_by_value(value)
+
+
+def _record_requests(driver):
+    """From now on the page's fetch bodies collect in window.sent."""
+    driver.execute_script("window.sent = []; const f = window.fetch; "
+                          "window.fetch = (u, o) => { window.sent.push(o && o.body); return f(u, o); };")
 
 
 def _ask(driver, text):
@@ -329,8 +346,7 @@ def test_chat_streams_stops_keeps_and_reports_errors(driver, servers, tmp_path):
     assert int(stats.split()[0]) > 20
 
     # a second turn in the same conversation: the request carries the first turn
-    driver.execute_script("window.sent = []; const f = window.fetch; "
-                          "window.fetch = (u, o) => { window.sent.push(o && o.body); return f(u, o); };")
+    _record_requests(driver)
     _ask(driver, "Summarize that in one sentence.")
     _wait_answered(driver, 2)
     turns = [a.find_element("css selector", ".body").text for a in _answers(driver)]
@@ -445,6 +461,174 @@ def test_a_hostile_answer_runs_no_script(driver, servers):
         driver.switch_to.alert.text
     assert _severe(driver) == []
     assert [u for u in _requested(driver, url) if not u.startswith(url + "/")] == []  # the image was not fetched
+
+
+WEATHER_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+WEATHER = '{"temp_c": 21, "sky": "<b>sunny</b>"}'  # a tool's result, markup included: shown as text
+
+
+def _kept_chat(driver):
+    state = driver.execute_script("return JSON.parse(localStorage.getItem('npllama.chats.v1'))")
+    return next(c for c in state["conversations"] if c["id"] == state["current"])
+
+
+def test_tool_calls_by_hand(driver, servers, tmp_path):
+    """With tools in Settings the model's calls show as blocks (the function's name, its arguments
+    as pretty-printed JSON), each with a form for its result; once every call has one, the
+    conversation goes on, and the calls and results are kept like other messages."""
+    url = servers[0]
+    _open(driver, url)
+    _new_chat(driver)
+    try:
+        _set(driver, "temperature", 0)
+        _set(driver, "max-tokens", 160)
+        _set(driver, "tools", json.dumps(WEATHER_TOOLS))
+        _choose(driver, "tool-choice", "auto")
+        assert _by_id(driver, "settings-error").text == ""
+        _record_requests(driver)
+        _ask(driver, "What is the weather in Paris?")
+        answer = _wait_answered(driver, 1)
+        sent = json.loads(driver.execute_script("return window.sent[0]"))
+        assert sent["tools"] == WEATHER_TOOLS and sent["tool_choice"] == "auto"
+        blocks = answer.find_elements("css selector", ".tool-call")
+        assert blocks, answer.text
+        assert "tool_calls" not in answer.text and "<tool_call>" not in answer.text  # no raw markup
+        shown = []
+        for block in blocks:
+            assert block.find_element("css selector", ".tool-name code").text == "get_weather"
+            args_text = block.find_element("css selector", ".tool-args").text
+            args = json.loads(args_text)
+            assert isinstance(args["city"], str) and args_text == json.dumps(args, indent=2)
+            shown.append(args)
+        kept = _kept_chat(driver)["messages"]
+        calls = kept[1]["tool_calls"]
+        assert kept[1]["content"] == "" and [c["function"]["name"] for c in calls] == ["get_weather"] * len(blocks)
+        assert [json.loads(c["function"]["arguments"]) for c in calls] == shown
+        ids = [c["id"] for c in calls]
+        assert all(ids) and len(set(ids)) == len(ids)
+
+        # a result for each call; the follow-up asks for text (tool choice "none")
+        _choose(driver, "tool-choice", "none")
+        for i in range(len(blocks)):
+            block = _answers(driver)[0].find_elements("css selector", ".tool-call")[i]
+            box = block.find_element("css selector", ".tool-result-form textarea")
+            label = block.find_element("css selector", f"label[for='{box.get_attribute('id')}']")
+            assert label.text == "Result of get_weather"
+            box.send_keys(WEATHER)
+            block.find_element("css selector", ".tool-result-form button[type=submit]").click()
+            if i < len(blocks) - 1:  # calls still unanswered: the result shows, and no request is made
+                _wait(driver, 10).until(lambda d: len(_all(d, ".tool-call .tool-result")) == i + 1)
+                assert len(_answers(driver)) == 1 and len(_all(driver, ".tool-call form")) == len(blocks) - i - 1
+        follow_up = _wait_answered(driver, 2)
+        assert follow_up.find_element("css selector", ".body").text
+        assert not follow_up.find_elements("css selector", ".tool-call")
+        sent = json.loads(driver.execute_script("return window.sent.at(-1)"))
+        assert sent["tool_choice"] == "none"
+        assert sent["messages"] == [
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": calls},
+            *({"role": "tool", "tool_call_id": i, "content": WEATHER} for i in ids)]
+        first = _answers(driver)[0]
+        assert [r.text for r in first.find_elements("css selector", ".tool-result")] == [WEATHER] * len(ids)
+        assert not first.find_elements("css selector", "form, b")  # answered, and the markup is text
+
+        # kept in localStorage, through export and import, and after a reload
+        chat = _kept_chat(driver)
+        assert [m["role"] for m in chat["messages"]] == ["user", "assistant", *["tool"] * len(ids), "assistant"]
+        assert [m["tool_call_id"] for m in chat["messages"][2:-1]] == ids
+        again = driver.execute_async_script("""
+            const done = arguments[arguments.length - 1];
+            import("/ui/store.js").then((s) => done(s.parseExport(s.exportChats(s.loadChats()))
+                .find((c) => c.title === arguments[0]).messages));""", chat["title"])
+        assert again == chat["messages"]
+        driver.save_screenshot(str(tmp_path / "webui-tools.png"))
+        driver.refresh()
+        _wait(driver, 60).until(lambda d: _by_id(d, "model-name").text.startswith("SmolLM2"))
+        first = _answers(driver)[0]
+        assert [b.find_element("css selector", ".tool-args").text for b in first.find_elements(
+            "css selector", ".tool-call")] == [json.dumps(a, indent=2) for a in shown]
+        assert [r.text for r in first.find_elements("css selector", ".tool-result")] == [WEATHER] * len(ids)
+        assert _severe(driver) == []
+    finally:
+        _set(driver, "tools", "")
+        _choose(driver, "tool-choice", "auto")
+
+
+def test_tools_setting_is_checked(driver, servers):
+    """A Tools box that is not a JSON array of function tools is explained, and nothing is sent."""
+    _open(driver, servers[0])
+    _new_chat(driver)
+    try:
+        for value, message in [("not json", "Tools (JSON) is not valid JSON: "),
+                               ('{"type": "function"}', "Tools (JSON) must be an array of tools, each "),
+                               ('[{"type": "function", "function": {"name": "f"}}, {"function": {"name": "g"}}]',
+                                'Tools (JSON): tool 2 is not {"type": "function", "function": {"name": '),
+                               ('[{"type": "function", "function": {}}]', "Tools (JSON): tool 1 is not ")]:
+            _set(driver, "tools", value)
+            _wait(driver, 10).until(lambda d: _by_id(d, "settings-error").text.startswith(message))
+        _ask(driver, "Hi")  # refused: the settings stay open with the message
+        assert not _all(driver, "#messages .message") and _by_id(driver, "prompt").get_attribute("value") == "Hi"
+        assert _by_id(driver, "settings").get_attribute("open")
+        assert _by_id(driver, "settings-error").text.startswith("Tools (JSON): tool 1 is not ")
+        _set(driver, "tools", json.dumps(WEATHER_TOOLS))
+        _wait(driver, 10).until(lambda d: _by_id(d, "settings-error").text == "")
+        _set(driver, "schema", '{"type": "object"}')
+        _ask(driver, "")  # Enter sends the "Hi" still in the box
+        _wait(driver, 10).until(lambda d: _by_id(d, "settings-error").text.startswith(
+            "Tools and a JSON Schema for the answer cannot be used together"))
+        assert not _all(driver, "#messages .message")
+    finally:
+        _set(driver, "schema", "")
+        _set(driver, "tools", "")
+        _by_id(driver, "prompt").clear()
+    assert _by_id(driver, "settings-error").text == ""
+
+
+def test_streamed_tool_calls_build_by_index_as_text(driver, servers):
+    """Calls streamed in interleaved pieces (served by a stand-in for fetch) are put together by
+    their index; names and arguments that hold markup show as text; arguments cut short show as
+    they are, with a note."""
+    _open(driver, servers[0])
+    _new_chat(driver)
+    driver.execute_script("""
+        window.alerts = 0; window.alert = () => { window.alerts += 1; };
+        const chunk = (delta, finish) =>
+            `data: ${JSON.stringify({choices: [{index: 0, delta, finish_reason: finish || null}]})}\n\n`;
+        const call = (index, f) => chunk({tool_calls: [{index, ...f}]});
+        const a = '{"q": "<script>alert(2)</script>", "n": [1, 2]}', b = '{"html": "<img src=x onerror=alert(3)>", "cut';
+        const parts = [chunk({role: "assistant", content: ""}),
+            call(0, {id: "call_a", type: "function", function: {name: "lookup", arguments: ""}}),
+            call(1, {id: "call_b", type: "function", function: {name: "<img src=x onerror=alert(1)>", arguments: ""}})];
+        for (let i = 0; i < Math.max(a.length, b.length); i += 6) {
+            if (i < a.length) parts.push(call(0, {function: {arguments: a.slice(i, i + 6)}}));
+            if (i < b.length) parts.push(call(1, {function: {arguments: b.slice(i, i + 6)}}));
+        }
+        parts.push(chunk({}, "length"), `data: [DONE]\n\n`);
+        window.fetch = async () => new Response(new ReadableStream({start(c) {
+            const enc = new TextEncoder();
+            for (const p of parts) c.enqueue(enc.encode(p));
+            c.close();
+        }}), {headers: {"content-type": "text/event-stream"}});""")
+    _ask(driver, "Look something up.")
+    answer = _wait_answered(driver, 1, 30)
+    blocks = answer.find_elements("css selector", ".tool-call")
+    assert [b.find_element("css selector", ".tool-name code").text for b in blocks] == [
+        "lookup", "<img src=x onerror=alert(1)>"]
+    assert json.loads(blocks[0].find_element("css selector", ".tool-args").text) == {
+        "q": "<script>alert(2)</script>", "n": [1, 2]}
+    assert blocks[1].find_element("css selector", ".tool-args").text == '{"html": "<img src=x onerror=alert(3)>", "cut'
+    assert blocks[1].find_element("css selector", ".tool-note").text.startswith("The arguments are not complete JSON")
+    assert not blocks[0].find_elements("css selector", ".tool-note")
+    assert [m["tool_calls"] for m in _kept_chat(driver)["messages"][1:]] == [[
+        {"id": "call_a", "type": "function", "function": {"name": "lookup", "arguments":
+                                                            '{"q": "<script>alert(2)</script>", "n": [1, 2]}'}},
+        {"id": "call_b", "type": "function", "function": {"name": "<img src=x onerror=alert(1)>", "arguments":
+                                                            '{"html": "<img src=x onerror=alert(3)>", "cut'}}]]
+    assert not answer.find_elements("css selector", "img, script, svg")
+    assert driver.execute_script("return window.alerts") == 0
+    assert _severe(driver) == []
 
 
 def test_api_key_flow(driver, servers, tmp_path):

@@ -38,7 +38,8 @@ export async function fetchModel(key) {
   return { id: m.id, ctx: m.max_model_len ?? null };
 }
 
-/** Post a streamed chat request; yields {content}, {finish} and {usage} events in order. */
+/** Post a streamed chat request; yields {content}, {toolCalls} (a delta's `tool_calls`: pieces of
+ * calls, each with its `index`), {finish} and {usage} events in order. */
 export async function* streamChat(body, { key, signal }) {
   const response = await request("/v1/chat/completions",
     { method: "POST", headers: headers(key), body: JSON.stringify(body), signal });
@@ -60,6 +61,7 @@ export async function* streamChat(body, { key, signal }) {
         if (chunk.error) throw new APIError(chunk.error.message, response.status, chunk.error.code);
         const choice = chunk.choices && chunk.choices[0];
         if (choice && choice.delta && choice.delta.content) yield { content: choice.delta.content };
+        if (choice && choice.delta && choice.delta.tool_calls) yield { toolCalls: choice.delta.tool_calls };
         if (choice && choice.finish_reason) yield { finish: choice.finish_reason };
         if (chunk.usage) yield { usage: chunk.usage };
       }

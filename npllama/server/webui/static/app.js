@@ -1,7 +1,9 @@
 // The chat page: conversations in the sidebar, the current one in the middle, answers
 // streamed from /v1/chat/completions. No framework: the state is plain objects (store.js
 // saves them), and the view is rebuilt from them, except the answer being streamed, whose
-// element is updated in place.
+// element is updated in place. An answer's tool calls are kept as the API gives them
+// ({id, type, function: {name, arguments}}), and each result the person gives as a
+// {role: "tool", tool_call_id, content} message after that answer.
 import { APIError, explain, fetchModel, streamChat } from "./api.js";
 import { render } from "./markdown.js";
 import * as store from "./store.js";
@@ -11,7 +13,8 @@ const ui = {
   sidebar: $("sidebar"), list: $("conversations"), messages: $("messages"), status: $("status"),
   prompt: $("prompt"), composer: $("composer"), send: $("send"), stop: $("stop"),
   modelName: $("model-name"), modelCtx: $("model-ctx"), theme: $("theme"),
-  system: $("system"), schema: $("schema"), settingsError: $("settings-error"),
+  system: $("system"), schema: $("schema"), tools: $("tools"), toolChoice: $("tool-choice"),
+  settingsError: $("settings-error"),
   keyDialog: $("key-dialog"), keyForm: $("key-form"), key: $("key"), keyError: $("key-error"),
 };
 const NUMBERS = { temperature: $("temperature"), top_p: $("top-p"), max_tokens: $("max-tokens"), seed: $("seed") };
@@ -21,10 +24,11 @@ const needsKey = document.querySelector('meta[name="npllama-auth"]').content ===
 const state = store.loadChats();
 const settings = store.loadSettings();
 let model = { id: null, ctx: null };
-let running = null;        // {controller, conversation}: the answer being streamed
+let running = null;        // {controller, conversation, answer}: the answer being streamed
 const views = new WeakMap(); // message -> its element
 
 const current = () => state.conversations.find((c) => c.id === state.current);
+const conversationOf = (m) => state.conversations.find((c) => c.messages.includes(m));
 
 function save() {
   if (!store.saveChats(state)) setStatus("The browser's storage is full: delete or export some chats.");
@@ -96,12 +100,14 @@ function messageView(m) {
   el.setAttribute("aria-label", m.role === "user" ? "You" : "Assistant");
   const body = document.createElement("div");
   body.className = "body";
+  const calls = document.createElement("div");
+  calls.className = "tool-calls";
   const stats = document.createElement("div");
   stats.className = "stats";
   const error = document.createElement("div");
   error.className = "error";
   error.setAttribute("role", "alert");
-  el.append(body, stats, error);
+  el.append(body, calls, stats, error);
   views.set(m, el);
   updateMessage(m);
   return el;
@@ -110,9 +116,12 @@ function messageView(m) {
 function updateMessage(m) {
   const el = views.get(m);
   if (!el) return;
-  const [body, stats, error] = el.children;
+  const [body, calls, stats, error] = el.children;
   if (m.role === "user") body.textContent = m.content;
   else render(body, m.content);
+  body.hidden = !m.content && Boolean(m.tool_calls);
+  calls.hidden = !m.tool_calls;
+  if (m.tool_calls) calls.replaceChildren(...m.tool_calls.map((call) => callView(m, call)));
   stats.textContent = describeStats(m);
   stats.hidden = !stats.textContent;
   error.textContent = m.error || "";
@@ -132,7 +141,8 @@ function describeStats(m) {
 
 function renderMessages() {
   const c = current();
-  ui.messages.replaceChildren(...(c ? c.messages.map(messageView) : []));
+  // a tool's result shows under the call it answers, not as a message of its own
+  ui.messages.replaceChildren(...(c ? c.messages.filter((m) => m.role !== "tool").map(messageView) : []));
   ui.messages.scrollTop = ui.messages.scrollHeight;
 }
 
@@ -140,6 +150,110 @@ function renderAll() {
   renderList();
   renderMessages();
   ui.system.value = current()?.system ?? "";
+}
+
+// ---- tool calls -----------------------------------------------------------------------------
+// Each call of an answer: its function's name and arguments (pretty-printed once the answer is
+// over and they parse), then the result given for it, or, under the conversation's last answer,
+// a form to give it. Names, arguments and results are set as text, never parsed as HTML.
+function callView(m, call) {
+  const c = conversationOf(m);
+  const name = call.function.name;
+  const section = document.createElement("section");
+  section.className = "tool-call";
+  section.setAttribute("aria-label", `Tool call ${name}`);
+  const head = document.createElement("div");
+  head.className = "tool-name";
+  const code = document.createElement("code");
+  code.textContent = name;
+  head.append("Tool call ", code);
+  const args = document.createElement("pre");
+  args.className = "tool-args";
+  section.append(head, args);
+  if (running && running.answer === m) {
+    args.textContent = call.function.arguments;
+    return section;
+  }
+  try {
+    args.textContent = JSON.stringify(JSON.parse(call.function.arguments), null, 2);
+  } catch {
+    args.textContent = call.function.arguments;
+    section.append(note("The arguments are not complete JSON: the answer was cut short.", "incomplete"));
+  }
+  const result = c && c.messages.find((x) => x.role === "tool" && x.tool_call_id === call.id);
+  if (result) {
+    const shown = document.createElement("pre");
+    shown.className = "tool-result";
+    shown.textContent = result.content;
+    section.append(note(`Result of ${name}`, "muted"), shown);
+  } else if (c && c.messages.findLast((x) => x.role !== "tool") === m) {
+    section.append(resultForm(c, m, call));
+  }
+  return section;
+}
+
+function note(text, className) {
+  const p = document.createElement("p");
+  p.className = `tool-note ${className}`;
+  p.textContent = text;
+  return p;
+}
+
+function resultForm(c, m, call) {
+  const name = call.function.name;
+  const form = document.createElement("form");
+  form.className = "tool-result-form";
+  const input = document.createElement("textarea");
+  input.id = `result-${store.newId()}`;
+  input.rows = 2;
+  input.required = true;
+  const label = document.createElement("label");
+  label.htmlFor = input.id;
+  label.textContent = `Result of ${name}`;
+  const submit = document.createElement("button");
+  submit.type = "submit";
+  submit.textContent = "Send result";
+  submit.setAttribute("aria-label", `Send result of ${name}`);
+  form.append(label, input, submit);
+  form.addEventListener("submit", (event) => {
+    event.preventDefault();
+    giveResult(c, m, call, input.value);
+  });
+  return form;
+}
+
+// A tool's result: kept, and once every call of the answer has one, the conversation goes on.
+async function giveResult(c, m, call, content) {
+  if (running) {
+    setStatus("An answer is still being written: wait for it or stop it, then send the result.");
+    return;
+  }
+  if (!settingsOk()) return;
+  c.messages.push({ role: "tool", tool_call_id: call.id, content });
+  c.updated = Date.now();
+  const answered = (x) => c.messages.some((r) => r.role === "tool" && r.tool_call_id === x.id);
+  if (!m.tool_calls.every(answered)) {
+    save();
+    updateMessage(m);
+    return;
+  }
+  const answer = { role: "assistant", content: "", stats: null, error: null };
+  c.messages.push(answer);
+  save();
+  renderAll();
+  await stream(c, answer);
+}
+
+// Streamed calls come in pieces, each naming its call by `index`: the first with the call's id
+// and name, the later ones with more of its arguments.
+function addCallDeltas(m, deltas) {
+  m.tool_calls ??= [];
+  for (const d of deltas) {
+    const call = (m.tool_calls[d.index] ??= { id: "", type: "function", function: { name: "", arguments: "" } });
+    if (d.id) call.id = d.id;
+    if (d.function && d.function.name) call.function.name += d.function.name;
+    if (d.function && d.function.arguments) call.function.arguments += d.function.arguments;
+  }
 }
 
 // Streaming renders at most once a frame, however many chunks arrive.
@@ -159,7 +273,9 @@ function requestBody(c) {
   const messages = [];
   if (c.system.trim()) messages.push({ role: "system", content: c.system });
   for (const m of c.messages.slice(0, -1)) {  // the last is the answer being asked for
-    if (m.content) messages.push({ role: m.role, content: m.content });
+    if (m.role === "tool") messages.push({ role: "tool", tool_call_id: m.tool_call_id, content: m.content });
+    else if (m.tool_calls) messages.push({ role: m.role, content: m.content || null, tool_calls: m.tool_calls });
+    else if (m.content) messages.push({ role: m.role, content: m.content });
   }
   const body = { model: model.id || "default", messages, stream: true, stream_options: { include_usage: true } };
   for (const [name, input] of Object.entries(NUMBERS)) {
@@ -169,7 +285,28 @@ function requestBody(c) {
   if (schema) {
     body.response_format = { type: "json_schema", json_schema: { name: "answer", schema: JSON.parse(schema) } };
   }
+  const tools = parseTools(ui.tools.value);
+  if (tools.length) {
+    body.tools = tools;
+    body.tool_choice = ui.toolChoice.value;
+  }
   return body;
+}
+
+/** The Tools box as a list of OpenAI tool objects ([] when empty); throws an Error saying what is wrong. */
+function parseTools(text) {
+  if (!text.trim()) return [];
+  let tools;
+  try { tools = JSON.parse(text); } catch (e) { throw new Error(`Tools (JSON) is not valid JSON: ${e.message}`); }
+  const shape = '{"type": "function", "function": {"name": "...", "parameters": {...}}}';
+  if (!Array.isArray(tools)) throw new Error(`Tools (JSON) must be an array of tools, each ${shape}`);
+  tools.forEach((t, i) => {
+    const fn = t && t.function;
+    if (t?.type !== "function" || !fn || typeof fn.name !== "string" || !fn.name) {
+      throw new Error(`Tools (JSON): tool ${i + 1} is not ${shape}`);
+    }
+  });
+  return tools;
 }
 
 function checkSettings() {
@@ -177,21 +314,26 @@ function checkSettings() {
   if (schema) {
     try { JSON.parse(schema); } catch (e) { return `The JSON Schema is not valid JSON: ${e.message}`; }
   }
+  let tools;
+  try { tools = parseTools(ui.tools.value); } catch (e) { return e.message; }
+  if (tools.length && schema) return "Tools and a JSON Schema for the answer cannot be used together: clear one.";
   for (const input of Object.values(NUMBERS)) {
     if (!input.checkValidity()) return `${input.labels[0].textContent}: ${input.validationMessage}`;
   }
   return "";
 }
 
-async function send() {
-  const text = ui.prompt.value.trim();
-  if (!text || running) return;
+/** Whether the settings can make a request; if not, they open with what is wrong. */
+function settingsOk() {
   const problem = checkSettings();
   ui.settingsError.textContent = problem;
-  if (problem) {
-    $("settings").open = true;
-    return;
-  }
+  if (problem) $("settings").open = true;
+  return !problem;
+}
+
+async function send() {
+  const text = ui.prompt.value.trim();
+  if (!text || running || !settingsOk()) return;
   if (!current()) newChat();
   const c = current();
   if (!c.messages.length && c.title === "New chat") c.title = text.slice(0, 48);
@@ -207,7 +349,7 @@ async function send() {
 
 async function stream(c, answer) {
   const controller = new AbortController();
-  running = { controller, conversation: c };
+  running = { controller, conversation: c, answer };
   setRunning(true);
   setStatus("");
   const start = performance.now();
@@ -218,6 +360,10 @@ async function stream(c, answer) {
       if (ev.content) {
         first ??= performance.now();
         answer.content += ev.content;
+        scheduleUpdate(answer);
+      } else if (ev.toolCalls) {
+        first ??= performance.now();
+        addCallDeltas(answer, ev.toolCalls);
         scheduleUpdate(answer);
       } else if (ev.usage) {
         usage = ev.usage;
@@ -292,6 +438,14 @@ for (const [name, input] of Object.entries(NUMBERS)) {
 }
 ui.schema.value = settings.schema ?? "";
 ui.schema.addEventListener("change", () => { settings.schema = ui.schema.value; store.saveSettings(settings); });
+ui.tools.value = settings.tools ?? "";
+ui.tools.addEventListener("change", () => {
+  settings.tools = ui.tools.value;
+  store.saveSettings(settings);
+  ui.settingsError.textContent = checkSettings();
+});
+ui.toolChoice.value = settings.toolChoice ?? "auto";
+ui.toolChoice.addEventListener("change", () => { settings.toolChoice = ui.toolChoice.value; store.saveSettings(settings); });
 ui.system.addEventListener("input", () => {
   let c = current();
   if (!c) {  // a system prompt typed before the first message starts a chat

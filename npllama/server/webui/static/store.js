@@ -52,9 +52,18 @@ export function exportChats(state) {
   return JSON.stringify({ format: FORMAT, version: 1, conversations: state.conversations }, null, 2);
 }
 
+const isCall = (c) => c && typeof c.id === "string" && c.function && typeof c.function.name === "string" &&
+  typeof c.function.arguments === "string";
+
 function checkMessage(m, where) {
-  if (!m || !["system", "user", "assistant"].includes(m.role) || typeof m.content !== "string") {
-    throw new Error(`${where}: each message needs a role (system, user, assistant) and a string content`);
+  if (!m || !["system", "user", "assistant", "tool"].includes(m.role) || typeof m.content !== "string") {
+    throw new Error(`${where}: each message needs a role (system, user, assistant, tool) and a string content`);
+  }
+  if (m.tool_calls !== undefined && !(m.role === "assistant" && Array.isArray(m.tool_calls) && m.tool_calls.every(isCall))) {
+    throw new Error(`${where}: tool_calls must be an assistant's list of {"id", "function": {"name", "arguments"}}`);
+  }
+  if (m.role === "tool" && typeof m.tool_call_id !== "string") {
+    throw new Error(`${where}: a tool message needs the tool_call_id of the call it answers`);
   }
 }
 
