@@ -71,6 +71,13 @@ DOC_REPLIES = [
     (T.QWEN3_CODER, "<tool_call>\n<function=now>\n</function>\n</tool_call>", None, [("now", {})]),
     (T.QWEN3_CODER, "<tool_call>\n<function=add>\n<parameter=a>\n-1</parameter>\n<parameter=b>\n2\n</parameter>\n"
                     "</function>\n</tool_call>", None, [("add", {"a": -1, "b": 2})]),  # no line break before a closer
+    (T.PYTHONIC, '<|tool_call_start|>[get_candidate_status(candidate_id="12345")]<|tool_call_end|>', None,
+     [("get_candidate_status", {"candidate_id": "12345"})]),  # LFM2's documented call
+    (T.PYTHONIC, "Checking.<|tool_call_start|>[get_weather(city='Par\\'is\\u00e9\\n\\x41', unit=\"c)]\"), "
+                 "add(a=-1.5e3, b=None, c=[True, false, (1, 2)], d={\"k\": null, 'x': 'y'}), now()]<|tool_call_end|>",
+     "Checking.", [("get_weather", {"city": "Par'isé\nA", "unit": "c)]"}),
+                   ("add", {"a": -1500, "b": None, "c": [True, False, [1, 2]], "d": {"k": None, "x": "y"}}), ("now", {})]),
+    (T.PYTHONIC, "No <|tool_call here.", "No <|tool_call here.", []),
     (T.GENERIC, '{"tool_calls": [{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_weather", '
                 '"arguments": {"city": "Nice"}}]}', None, [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Nice"})]),
     (T.GENERIC, '{"response": "Caf\\u00e9 \\ud83c\\udf89 \\"ok\\"\\n\\\\ done"}', 'Café 🎉 "ok"\n\\ done', []),
@@ -152,7 +159,7 @@ def test_messages_checked_and_arguments_decoded():
 # ---- templates -------------------------------------------------------------------------------
 
 # The format of every template in the fixture, from reading what each one writes for a call;
-# the others (GLM's <arg_key>, Kimi's, MiniMax's <invoke>, LFM2's pythonic, Command R's, ...) are
+# the others (GLM's <arg_key>, Kimi's, MiniMax's <invoke>, Command R's, ...) are
 # refused with a ValueError.
 KNOWN = {
     "hermes": ["Bielik-11B-v3.0-Instruct", "MiMo-VL", "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use",
@@ -164,6 +171,7 @@ KNOWN = {
     "mistral": ["mistralai-Mistral-Nemo-Instruct-2407"],
     "llama3": ["meta-llama-Llama-3.1-8B-Instruct", "meta-llama-Llama-3.2-3B-Instruct",
                "meta-llama-Llama-3.3-70B-Instruct"],
+    "pythonic": ["LFM2-8B-A1B", "LFM2.5-8B-A1B", "LFM2.5-Instruct"],
     "generic": ["HuggingFaceTB-SmolLM3-3B"],  # this collection's SmolLM3 template reads no tools (nor xml_tools)
 }
 FORMAT_OF = {name: fmt for fmt, names in KNOWN.items() for name in names}
@@ -177,7 +185,7 @@ def test_formats_detected_from_real_templates():
             with pytest.raises(ValueError, match="format npllama does not know|cannot render a tool call"):
                 T.detect_format(text)
     assert T.detect_format(None) is T.GENERIC
-    assert len(FIXTURE["templates"]) - len(FORMAT_OF) == 41
+    assert len(FIXTURE["templates"]) - len(FORMAT_OF) == 38
 
 
 # The call of conversation 1 (get_weather, Paris, celsius) as each format's grammar must take it,
@@ -192,7 +200,10 @@ WRITTEN = {
     "mistral": ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]',
                 '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}'),
     "llama3": ('{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', None),
+    "pythonic": ("<|tool_call_start|>[get_weather(city='Paris', unit='celsius')]<|tool_call_end|>", None),
 }
+# LFM2-8B-A1B's and LFM2.5-Instruct's templates write an assistant turn's content only: no call.
+WRITE_NO_CALL = {"LFM2-8B-A1B", "LFM2.5-Instruct"}
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +216,7 @@ def _vocab_model(tok):
     return SimpleNamespace(tokenizer=tok, config=SimpleNamespace(n_vocab=tok.n_vocab))
 
 
-@pytest.mark.parametrize("name", sorted(n for n in FORMAT_OF if FORMAT_OF[n] != "generic"))
+@pytest.mark.parametrize("name", sorted(n for n in FORMAT_OF if FORMAT_OF[n] != "generic" and n not in WRITE_NO_CALL))
 def test_grammar_takes_the_call_the_template_writes(smol_vocab, name):
     fmt, (text, written) = T.FORMATS[FORMAT_OF[name]], WRITTEN[FORMAT_OF[name]]
     case = next(c for c in FIXTURE["cases"] if c["template"] == name and c["conversation"] == 1)
@@ -215,7 +226,7 @@ def test_grammar_takes_the_call_the_template_writes(smol_vocab, name):
         rule = constraint(smol_vocab, grammar=T.grammar(fmt, smol_vocab.tokenizer, tools, choice, ["get_weather", "add"],
                                                         parallel))
         assert rule.accepts(text) and not rule.accepts(text.replace("celsius", "kelvin"))
-        assert rule.accepts(text + text) == (parallel and fmt.shape != "leading" and fmt.shape != "array")
+        assert rule.accepts(text + text) == (parallel and fmt.shape not in ("leading", "array", "pythonic"))
     none = constraint(smol_vocab, grammar=T.grammar(fmt, smol_vocab.tokenizer, tools, "none", ["add"], True))
     assert not none.accepts(text) and none.accepts("It is sunny.")
     kinds = {t["function"]["name"]: {p[0]: p[3] for p in T.xml_params(t)} for t in tools}
@@ -255,6 +266,49 @@ def test_xml_values_held_to_each_parameters_schema(smol_vocab):
                 call(("n", "1"), ("on", "yes")), call(("n", "1"), ("xs", "[1,2]")), call(("n", "1"), ("z", "1")),
                 call(("s", "a"), ("n", "1"))]:
         assert not rule.accepts(bad), bad
+
+
+def test_pythonic_values_held_to_each_parameters_schema(smol_vocab):
+    tools = T.check_tools([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {
+            "n": {"type": "integer", "minimum": 0}, "s": {"type": "string"}, "e": {"enum": ["a'b", 2, None]},
+            "on": {"type": "boolean"}, "xs": {"type": "array", "items": {"type": "number"}, "maxItems": 2},
+            "d": {"type": "object", "properties": {"k": {"type": ["string", "null"]}}, "required": ["k"]},
+            "any": {}},
+        "required": ["n"]}}}, TOOLS[1]])
+    rule = constraint(smol_vocab, grammar=T.grammar(T.PYTHONIC, smol_vocab.tokenizer, tools, "required", ["f", "add"],
+                                                    True))
+
+    def call(*calls):
+        return "<|tool_call_start|>[" + ", ".join(calls) + "]<|tool_call_end|>"
+    good = ["f(n=3, s='a\\'b\\n', e='a\\'b', on=True, xs=[1.5, -2], d={'k': None}, any={'x': [1, \"y\"]})",
+            "f(n=0, e=\"a'b\", on=false, d={\"k\": \"v\"})", "f(n=0, e=2)", "f(n=0, e=None, xs=[])", "add(a=1, b=2)"]
+    for one in good:
+        assert rule.accepts(call(one)), one
+    assert rule.accepts(call(*good))
+    for bad in ["f(n=-1)", "f(n=1.5)", "f(s='a')", "f(n=1, e='b')", "f(n=1, on=yes)", "f(n=1, xs=[1, 2, 3])",
+                "f(n=1, d={})", "f(n=1, z=1)", "f(s='a', n=1)", "f(n=1, s='a\nb')", "f(n=1, s='a\")",
+                "f(1)", "g(n=1)", "add(a='1', b=2)"]:
+        assert not rule.accepts(call(bad)), bad
+    one = constraint(smol_vocab, grammar=T.grammar(T.PYTHONIC, smol_vocab.tokenizer, tools, "required", ["add"], False))
+    assert one.accepts(call(good[-1])) and not one.accepts(call(good[-1], good[-1]))
+    assert not one.accepts(call(good[0]))
+
+
+@pytest.mark.parametrize("params,match", [
+    ({"type": "object", "properties": {"q": {"type": "string", "pattern": "^a"}}}, r"parameter 'q': keywords \['pattern'\]"),
+    ({"type": "object", "properties": {"q": {"type": "string", "maxLength": 3}}}, r"parameter 'q': keywords"),
+    ({"type": "object", "properties": {"q": {"enum": [["x"]]}}}, "parameter 'q': an enum"),
+    ({"type": "object", "properties": {"q": {"oneOf": [{"type": "string"}]}}}, r"parameter 'q': keywords \['oneOf'\]"),
+    ({"type": "object", "properties": {"class": {"type": "string"}}}, "'class' is not a Python identifier"),
+    ({"type": "object", "additionalProperties": {"type": "integer"}}, "listed properties only"),
+    ({"type": "object", "properties": {}, "required": ["q"]}, "not among its properties"),
+])
+def test_pythonic_refuses_schemas_it_cannot_hold(smol_vocab, params, match):
+    tools = T.check_tools([{"type": "function", "function": {"name": "f", "parameters": params}}])
+    with pytest.raises(T.ToolError, match=match) as e:
+        T.grammar(T.PYTHONIC, smol_vocab.tokenizer, tools, "auto", ["f"], True)
+    assert e.value.param == "tools"
 
 
 # ---- control-token markers on a real vocabulary ----------------------------------------------
@@ -355,7 +409,7 @@ def spliced(default_model_path, tmp_path_factory):
     folder = tmp_path_factory.mktemp("spliced")
     picks = {"hermes": "Qwen-Qwen2.5-7B-Instruct", "llama3": "meta-llama-Llama-3.1-8B-Instruct",
              "mistral": "mistralai-Mistral-Nemo-Instruct-2407", "qwen3_coder": "Qwen3-Coder",
-             "mistral_args": "Mistral-Small-3.2-24B-Instruct-2506"}
+             "mistral_args": "Mistral-Small-3.2-24B-Instruct-2506", "pythonic": "LFM2.5-8B-A1B"}
     return {fmt: npllama.load(splice(default_model_path, folder / f"{fmt}.gguf", FIXTURE["templates"][name]))
             for fmt, name in picks.items()}
 
@@ -433,7 +487,7 @@ def test_session_agent_loop(model):
 
 @pytest.mark.model
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral", "qwen3_coder", "mistral_args"])
+@pytest.mark.parametrize("fmt", ["hermes", "llama3", "mistral", "qwen3_coder", "mistral_args", "pythonic"])
 def test_each_format_end_to_end(spliced, fmt):
     model = spliced[fmt]
     assert T.detect_format(model.tokenizer.chat_template).name == fmt

@@ -18,12 +18,15 @@ history (`detect_format`):
 * ``mistral_args``: Mistral Small 3.2, Devstral, Ministral 3. ``[TOOL_CALLS]NAME[ARGS]{...}`` per call.
 * ``llama3``: Llama 3.1 / 3.2 / 3.3 JSON calls: ``{"name": ..., "parameters": {...}}`` at the start
   of the reply, after ``<|python_tag|>`` or bare (one call per turn, as Meta documents).
+* ``pythonic``: LFM2, LFM2.5. ``<|tool_call_start|>[get_weather(city='Paris'), add(a=1, b=2)]<|tool_call_end|>``:
+  one Python list of calls, keyword arguments only, values as Python literals; the grammar follows
+  each parameter's schema (`pythonic_params`), and the parser sends the arguments as JSON.
 * ``generic``: templates that know no tools (SmolLM2, Gemma 3): the tools are described in a
   system message, and the whole reply is one JSON object, ``{"tool_calls": [{"name": ...,
   "arguments": {...}}, ...]}`` or ``{"response": "..."}``.
 
 A marker that the vocabulary holds as a control token (``<|python_tag|>``, ``[TOOL_CALLS]``,
-``[ARGS]``) is asked for as that token.
+``[ARGS]``, ``<|tool_call_start|>``, ``<|tool_call_end|>``) is asked for as that token.
 
 What the grammar guarantees: with ``tool_choice="required"`` or a named function the reply is
 only calls (at least one) to the allowed tools, with arguments valid under each tool's
@@ -35,7 +38,9 @@ With ``"none"`` no call can start. ``parallel_tool_calls=False`` allows one call
 """
 from __future__ import annotations
 
+import ast
 import json
+import keyword
 import random
 import re
 import string
@@ -46,9 +51,10 @@ from typing import Any, Callable, Iterable
 from ..text.chat import format_chat
 from .structured import constraint as make_constraint, _bound_numbers
 
-__all__ = ["FORMATS", "MAX_CALLS", "CallParser", "Delta", "NamedCallParser", "ToolError", "ToolPlan", "XmlCallParser",
-           "assemble", "check_messages", "check_tool_choice", "check_tools", "delta_dict", "detect_format",
-           "finish_reason", "new_call_id", "parse_reply", "plan", "raw_text", "xml_params"]
+__all__ = ["FORMATS", "MAX_CALLS", "CallParser", "Delta", "NamedCallParser", "PythonicCallParser", "ToolError",
+           "ToolPlan", "XmlCallParser", "assemble", "check_messages", "check_tool_choice", "check_tools", "delta_dict",
+           "detect_format", "finish_reason", "new_call_id", "parse_reply", "plan", "pythonic_params", "raw_text",
+           "xml_params"]
 
 MAX_CALLS = 8  # calls in one reply with parallel_tool_calls (bounds what a small model can loop on)
 _NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
@@ -178,12 +184,13 @@ class Format:
     "array" (the objects of one JSON array), "leading" (one object at the start of the reply),
     "generic" (the objects of the "tool_calls" array of the reply's object), "named" (``trigger
     name sep {arguments}`` per call), "xml" (one ``<function=name>`` block of ``<parameter=p>``
-    lines per ``trigger ... close`` block). `args_key` is the key that holds the arguments."""
+    lines per ``trigger ... close`` block), "pythonic" (one Python list of ``name(p=value, ...)``
+    calls per ``trigger ... close`` block). `args_key` is the key that holds the arguments."""
     name: str
     trigger: str | None
     shape: str
     args_key: str = "arguments"
-    close: str = ""          # "blocks", "xml": the text that ends a block
+    close: str = ""          # "blocks", "xml", "pythonic": the text that ends a block
     before: str = ""         # "blocks": the text between the trigger and the object
     after: str = ""          # "blocks": the text between the object and `close`
     sep: str = ""            # "named": the text between the name and the arguments
@@ -194,8 +201,9 @@ MISTRAL = Format("mistral", "[TOOL_CALLS]", "array")
 MISTRAL_ARGS = Format("mistral_args", "[TOOL_CALLS]", "named", sep="[ARGS]")
 QWEN3_CODER = Format("qwen3_coder", "<tool_call>", "xml", close="</tool_call>")
 LLAMA3 = Format("llama3", "<|python_tag|>", "leading", args_key="parameters")
+PYTHONIC = Format("pythonic", "<|tool_call_start|>", "pythonic", close="<|tool_call_end|>")
 GENERIC = Format("generic", None, "generic")
-FORMATS = {f.name: f for f in (HERMES, MISTRAL, MISTRAL_ARGS, QWEN3_CODER, LLAMA3, GENERIC)}
+FORMATS = {f.name: f for f in (HERMES, MISTRAL, MISTRAL_ARGS, QWEN3_CODER, LLAMA3, PYTHONIC, GENERIC)}
 
 
 # A probe conversation: the format is recognised from what the template writes for its call.
@@ -211,6 +219,11 @@ _WRITTEN = [  # (format, the pattern of its probe call in the rendering)
     (MISTRAL_ARGS, r'\[TOOL_CALLS\]probe_fn(\[CALL_ID\]abc123XYZ)?\[ARGS\]\{"probe_arg": "probe_value"\}'),
     (MISTRAL, r'\[TOOL_CALLS\] ?\[\{"name": "probe_fn", "arguments": \{"probe_arg": "probe_value"\}'),
     (LLAMA3, r'(^|\n|>)\{"name": "probe_fn", "parameters": \{"probe_arg": "probe_value"\}\}'),
+    (PYTHONIC, r"<\|tool_call_start\|>\[probe_fn\(probe_arg=(['\"])probe_value\1\)\]<\|tool_call_end\|>"),
+    # LFM2-8B-A1B's and LFM2.5-Instruct's templates write an assistant turn's content only, so no
+    # call; they are known by the tool list they write, as LFM2 documents it (its models then
+    # answer in pythonic calls). Last: a template that writes a call is known by that call.
+    (PYTHONIC, r'List of tools: (<\|tool_list_start\|>)?\[\{"type": "function", "function": \{"name": "probe_fn"'),
 ]
 
 
@@ -232,8 +245,8 @@ def detect_format(template: str | None) -> Format:
             return fmt
     raise ValueError("this chat template reads `tools` but writes calls in a format npllama does not know "
                      "(it knows <tool_call> JSON, Qwen3-Coder's <tool_call><function=...> XML, [TOOL_CALLS] "
-                     "JSON or name[ARGS], Llama 3 JSON, and templates without tools); leave tools out, or use "
-                     "a model with one of those templates")
+                     "JSON or name[ARGS], Llama 3 JSON, LFM2's <|tool_call_start|>[name(p=...)], and templates "
+                     "without tools); leave tools out, or use a model with one of those templates")
 
 
 # ---- grammars ----------------------------------------------------------------------------------
@@ -369,6 +382,164 @@ def _xml_value(rule: str, prop: dict, kind: str, rules: list[str]) -> str:
     return f"{rule}v"
 
 
+# LFM2's pythonic calls are one Python list, ``[name(p=value, ...), ...]``, keyword arguments
+# only. The grammar asks for a tool's listed parameters in the schema's order, the required ones
+# present, and writes each value as a Python literal held to its parameter's schema: a string
+# quoted either way (escapes \\ \' \" \n \r \t \b \f \xHH \uXXXX), by its enum or const; a number
+# by its JSON Schema (the same digits in Python); True/False, None; a list by its items,
+# minItems and maxItems; a dict by its properties (listed ones in order, keys quoted either way)
+# or, without them, any keys; anyOf and lists of types as alternatives. JSON's true/false/null
+# are taken too, since the LFM2.5 template writes a dict argument as JSON (the parser reads both).
+_PY_NOTES = {"description", "title", "default", "examples", "$comment"}
+_PY_NUMBER_KEYS = {"type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}
+_PY_KEYS = {"string": {"type"}, "integer": _PY_NUMBER_KEYS, "number": _PY_NUMBER_KEYS, "boolean": {"type"},
+            "null": {"type"}, "array": {"type", "items", "minItems", "maxItems"},
+            "object": {"type", "properties", "required", "additionalProperties"}}
+_PY_ESCAPES = {"\\": "\\", "'": "'", '"': '"', "n": "\n", "r": "\r", "t": "\t", "b": "\b", "f": "\f"}
+_PY_ESC = r"""\\(["'\\nrtbf]|x[0-9a-fA-F]{2}|u([0-9a-cA-Ce-fE-F][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2}))"""
+_PY_COMMON = (f"""PYSTR: /'([^'\\\\\\n\\r]|{_PY_ESC})*'|"([^"\\\\\\n\\r]|{_PY_ESC})*"/\n"""
+              "PYNUM: /-?(0|[1-9][0-9]{0,15})(\\.[0-9]{1,10})?([eE][+-]?[0-9]{1,3})?/\n"
+              'pybool: "True" | "False" | "true" | "false"\n'
+              'pynone: "None" | "null"\n'
+              'pyany: PYSTR | PYNUM | pybool | pynone | "[" (pyany (", " pyany)*)? "]" '
+              '| "{" (PYSTR ": " pyany (", " PYSTR ": " pyany)*)? "}"\n')
+
+
+class _PyGrammar:
+    """The Lark rules of pythonic calls, gathered while each tool's parameters are walked."""
+
+    def __init__(self):
+        self.rules: list[str] = []
+
+    def rule(self, body: str) -> str:
+        name = f"py{len(self.rules)}"
+        self.rules.append(f"{name}: {body}")
+        return name
+
+    def value(self, schema: Any, where: str) -> str:
+        """The grammar item of a value under `schema`; ToolError (naming `where`) if it cannot hold it."""
+        if not isinstance(schema, dict):
+            _py_refuse(where, f"schema {_brief(schema)}, which is not an object")
+        s = {k: v for k, v in schema.items() if k not in _PY_NOTES}
+        if "enum" in s or "const" in s:
+            values = [s["const"]] if "const" in s else s["enum"]
+            items = [_py_literals(v) for v in values] if isinstance(values, list) else [None]
+            if set(s) - {"type", "enum", "const"} or None in items or not items:
+                _py_refuse(where, "an enum or const of other than strings, numbers, booleans and null, or with other "
+                                  "keywords beside it")
+            return "(" + " | ".join(x for lits in items for x in lits) + ")"
+        if "anyOf" in s:
+            if set(s) != {"anyOf"} or not isinstance(s["anyOf"], list) or not s["anyOf"]:
+                _py_refuse(where, "anyOf with keywords beside it")
+            return "(" + " | ".join(self.value(x, where) for x in s["anyOf"]) + ")"
+        types = s.get("type")
+        if types is None:
+            if s:
+                _py_refuse(where, f"keywords {sorted(s)} without a type")
+            return "pyany"
+        types = [types] if isinstance(types, str) else types
+        if not isinstance(types, list) or not types or any(t not in _PY_KEYS for t in types):
+            _py_refuse(where, f"type {_brief(types)}")
+        extra = sorted(set(s) - set().union(*(_PY_KEYS[t] for t in types)))
+        if extra:
+            _py_refuse(where, f"keywords {extra}, which pythonic calls cannot be held to")
+        alts = [self.typed(t, {k: v for k, v in s.items() if k in _PY_KEYS[t]}, where) for t in types]
+        return alts[0] if len(alts) == 1 else "(" + " | ".join(alts) + ")"
+
+    def typed(self, t: str, s: dict, where: str) -> str:
+        if t == "string":
+            return "PYSTR"
+        if t in ("integer", "number"):
+            return _json(_bound_numbers({**s, "type": t}))
+        if t in ("boolean", "null"):
+            return "pybool" if t == "boolean" else "pynone"
+        if t == "array":
+            item = self.value(s.get("items", {}), where)
+            low, high = s.get("minItems", 0), s.get("maxItems")
+            if high == 0:
+                return '"[]"'
+            rest = f'(", " {item}){{{max(low - 1, 0)},{"" if high is None else high - 1}}}'
+            return self.rule(f'"[" {item} {rest} "]"' + ("" if low else ' | "[]"'))
+        props, required = s.get("properties"), s.get("required", [])
+        extra = s.get("additionalProperties", props is None)
+        if props is None and not required:
+            value = "pyany" if extra is True else self.value(extra, where) if extra is not False else None
+            return '"{}"' if value is None else self.rule(f'"{{" (PYSTR ": " {value} (", " PYSTR ": " {value})*)? "}}"')
+        if not isinstance(props, dict) or extra is not False or any(r not in props for r in required):
+            _py_refuse(where, "an object with required keys it does not list, or with listed and unlisted keys both")
+        items = [(f'({" | ".join(_py_literals(k))}) ": " {self.value(v, where)}', k in required)
+                 for k, v in props.items()]
+        return self.rule(f'"{{" {_py_sequence(items)} "}}"')
+
+    def calls(self, tools: list[dict]) -> str:
+        """The rules of one call (`call`) to one of `tools`: ``name(p=value, ...)``."""
+        names = []
+        for tool in tools:
+            fn, items = tool["function"], []
+            for name, prop, required in pythonic_params(tool):
+                value = self.value(prop, f"tool {fn['name']!r}: parameter {name!r}")
+                items.append((f"{_lit(name + '=')} {value}", required))
+            names.append(self.rule(f"{_lit(fn['name'] + '(')} {_py_sequence(items)} {_lit(')')}"))
+        return f"call: {' | '.join(names)}\n" + "".join(r + "\n" for r in self.rules) + _PY_COMMON
+
+
+def pythonic_params(tool: dict) -> list[tuple[str, dict, bool]]:
+    """(name, schema, required) of each parameter of `tool` in pythonic calls; ToolError for a
+    `parameters` schema these calls cannot be held to (keyword arguments: listed properties only,
+    each named as a Python identifier)."""
+    fn = tool["function"]
+    params, where = _arguments_schema(fn["parameters"]), f"tool {fn['name']!r}"
+    extra = sorted(set(params) - _XML_OBJECT_KEYS)
+    if extra or params.get("additionalProperties", False) is not False:
+        raise ToolError("tools", f"{where}: this model's template writes calls as name(p=value, ...), which npllama "
+                         f"holds to a schema of listed properties only; {extra or ['additionalProperties']} cannot "
+                         f"be enforced there: drop them, or list every parameter under properties")
+    props, required = params.get("properties", {}), params.get("required", [])
+    missing = [r for r in required if r not in props]
+    if missing:
+        raise ToolError("tools", f"{where}: required parameters {missing} are not among its properties; list them "
+                         f"under properties")
+    for name in props:
+        if not name.isidentifier() or keyword.iskeyword(name):
+            raise ToolError("tools", f"{where}: parameter {name!r} is not a Python identifier, and this model's template "
+                             f"writes calls as name(p=value, ...)")
+    return [(name, prop, name in required) for name, prop in props.items()]
+
+
+def _py_refuse(where: str, why: str) -> None:
+    raise ToolError("tools", f"{where}: {why}; this model's template writes calls as name(p=value, ...) with Python "
+                     f"values, and npllama cannot hold them to that schema: simplify it")
+
+
+def _py_literals(value: Any) -> list[str] | None:
+    """The grammar literals of a JSON scalar written in Python (strings quoted either way); None for others."""
+    if isinstance(value, str):
+        return [_lit(_py_quote(value, q)) for q in "'\""]
+    if isinstance(value, bool) or value is None:
+        return [_lit(w) for w in {True: ("True", "true"), False: ("False", "false"), None: ("None", "null")}[value]]
+    if isinstance(value, (int, float)):
+        return [_lit(json.dumps(value))]
+    return None
+
+
+def _py_quote(text: str, quote: str) -> str:
+    """`text` as a Python string literal in `quote`, with only the escapes the grammar allows."""
+    names = {"\\": "\\\\", quote: "\\" + quote, "\n": "\\n", "\r": "\\r", "\t": "\\t", "\b": "\\b", "\f": "\\f"}
+    return quote + "".join(names.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x20 else c) for c in text) + quote
+
+
+def _py_sequence(items: list[tuple[str, bool]]) -> str:
+    """`items` (grammar item, required) in their order, each optional one maybe left out, with
+    ", " between those present."""
+    alts = []
+    for k, (first, required) in enumerate(items):
+        tail = [f'", " {item}' if req else f'(", " {item})?' for item, req in items[k + 1:]]
+        alts.append(" ".join([first] + tail))
+        if required:  # no alternative may leave a required item out
+            return "(" + " | ".join(alts) + ")"
+    return f"({' | '.join(alts)})?" if alts else ""
+
+
 def grammar(fmt: Format, tokenizer, tools: list[dict], choice: str, names: list[str], parallel: bool) -> str | None:
     """The Lark grammar (llguidance) of a reply in `fmt` under `choice`; None for no constraint."""
     if fmt is GENERIC:
@@ -392,6 +563,8 @@ def grammar(fmt: Format, tokenizer, tools: list[dict], choice: str, names: list[
         body = 'calls: "[" call' + more('", " call') + ' "]"\n'
     elif fmt.shape == "named":
         body = "calls: call" + more(f"{mark} call") + "\n"
+    elif fmt.shape == "pythonic":
+        body = 'calls: "[" call' + more('", " call') + f' "]" {_marker(tokenizer, fmt.close)[0]}\n'
     elif fmt.shape == "xml":
         block = f'"\\n" call "\\n" {_lit(fmt.close)}'
         body = "calls: " + block + more(f"{_GAP} {mark} {block}") + "\n"
@@ -404,6 +577,8 @@ def grammar(fmt: Format, tokenizer, tools: list[dict], choice: str, names: list[
             for t in chosen) + "\n"
     elif fmt.shape == "xml":
         rules = body + _xml_rules(chosen)
+    elif fmt.shape == "pythonic":
+        rules = body + _PyGrammar().calls(chosen)
     else:
         rules = body + f"call: {_json(_one_of(tools, names, fmt.args_key))}\n"
     if fmt is LLAMA3:  # the call opens the reply, after the tag or bare
@@ -481,6 +656,8 @@ class ToolPlan:
             return NamedCallParser(fmt, make_id)
         if fmt is not None and fmt.shape == "xml":
             return XmlCallParser(fmt, self.kinds, make_id)
+        if fmt is not None and fmt.shape == "pythonic":
+            return PythonicCallParser(fmt, make_id)
         return CallParser(fmt, make_id)
 
 
@@ -821,6 +998,132 @@ class XmlCallParser(CallParser):
     def _args(self, text: str, out: list[Delta]) -> None:
         if text:
             out.append(Delta(index=self.index, arguments=text))
+
+
+class PythonicCallParser(CallParser):
+    """`CallParser` for "pythonic" calls (LFM2's ``[get_weather(city='Paris'), add(a=1, b=2)]``
+    per ``trigger ... close`` block): each call's name up to its ``(``, then its keyword
+    arguments as one JSON object, converted as they come: strings (quoted either way) re-quoted
+    and re-escaped character by character, True/False/None as true/false/null (JSON's own taken
+    as they are), numbers as JSON writes them, tuples as lists, ", " and ": " between items."""
+
+    def __init__(self, fmt: Format, make_id: Callable[[], str] = new_call_id):
+        super().__init__(fmt, make_id)
+        self.state, self.buf = "open", ""
+        self.key: str | None = None  # the keyword being read (None: in a value)
+        self.depth = self.params = 0  # containers open in the value; the call's arguments so far
+        self.quote: str | None = None  # the quote of the string being read
+        self.raw = ""  # an escape being read in a string, or the scalar being read outside one
+
+    def _in_calls(self, ch: str, out: list[Delta]) -> None:
+        if self.state == "args":
+            return self._string(ch, out) if self.quote is not None else self._arg(ch, out)
+        self.buf += ch
+        if self.state == "open" and ch == "[":
+            self.state, self.buf = "name", ""
+        elif self.state == "name" and ch == "(":
+            self._new_call(self.buf[:-1].strip(" ,\n"), out)
+            self.state, self.key, self.params = "args", "", 0
+        elif self.state == "name" and ch == "]":
+            self.state, self.buf = "after", ""
+        elif self.state == "after" and self.buf.endswith(self.fmt.close):
+            self.state, self.buf = "between", ""
+        elif self.state == "between" and self.buf.endswith(self.fmt.trigger):
+            self.state, self.buf = "open", ""
+
+    def _arg(self, ch: str, out: list[Delta]) -> None:
+        """One character of the arguments, outside strings."""
+        if self.key is not None:  # a keyword, up to its "=", or the call's ")"
+            if ch == "=":
+                name = json.dumps(self.key.strip(" ,\n"), ensure_ascii=False)
+                self._args(("{" if self.params == 0 else ", ") + name + ": ", out)
+                self.key, self.params = None, self.params + 1
+            elif ch == ")":
+                self._end_call(out)
+            else:
+                self.key += ch
+            return
+        if ch.isalnum() or ch in "._+-":
+            self.raw += ch
+            return
+        if self.raw:
+            self._args(_py_scalar(self.raw), out)
+            self.raw = ""
+        if ch in "'\"":
+            self.quote = ch
+            self._args('"', out)
+        elif ch in "[{(":
+            self.depth += 1
+            self._args("{" if ch == "{" else "[", out)
+        elif ch in ")]}" and self.depth == 0:
+            self._end_call(out)
+        elif ch in ")]}":
+            self.depth -= 1
+            self._args("}" if ch == "}" else "]", out)
+        elif ch == ",":
+            if self.depth == 0:
+                self.key = ""
+            else:
+                self._args(", ", out)
+        elif ch == ":":
+            self._args(": ", out)
+
+    def _string(self, ch: str, out: list[Delta]) -> None:
+        """One character inside a string: sent JSON-escaped, an escape once it is whole."""
+        if self.raw:
+            self.raw += ch
+            text = _py_escape(self.raw)
+            if text is not None:
+                self._args(text, out)
+                self.raw = ""
+        elif ch == "\\":
+            self.raw = ch
+        elif ch == self.quote:
+            self.quote = None
+            self._args('"', out)
+        else:
+            self._args(json.dumps(ch, ensure_ascii=False)[1:-1], out)
+
+    def _end_call(self, out: list[Delta]) -> None:
+        self._args("}" if self.params else "{}", out)
+        self.state, self.buf = "name", ""
+
+    def _args(self, text: str, out: list[Delta]) -> None:
+        out.append(Delta(index=self.calls - 1, arguments=text))
+
+
+_PY_NAMES = {"True": "true", "False": "false", "None": "null"}
+
+
+def _py_scalar(token: str) -> str:
+    """A Python scalar's token as JSON: True/False/None named as JSON does, a number written by
+    `json` (``1_000``, ``0x1f``, ``.5`` are Python's); anything else as it is."""
+    if token in _PY_NAMES:
+        return _PY_NAMES[token]
+    try:
+        value = ast.literal_eval(token)
+    except (ValueError, SyntaxError):
+        return token
+    return json.dumps(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else token
+
+
+def _py_escape(raw: str) -> str | None:
+    """A whole Python string escape (``\\n``, ``\\xHH``, ``\\uXXXX``) as the text of a JSON string,
+    None while `raw` is only its start; an escape Python does not know keeps its backslash."""
+    size = {"x": 4, "u": 6, "U": 10}.get(raw[1], 2)
+    if len(raw) < size:
+        return None
+    if size == 2:
+        text = _PY_ESCAPES.get(raw[1], raw)
+    else:
+        try:
+            code = int(raw[2:], 16)
+        except ValueError:
+            code = None
+        if code is not None and 0xD800 <= code < 0xE000:
+            return f"\\u{code:04x}"  # half a surrogate pair: JSON joins the two
+        text = raw if code is None or code > 0x10FFFF else chr(code)
+    return json.dumps(text, ensure_ascii=False)[1:-1]
 
 
 def _unescape(raw: str) -> str:
