@@ -304,14 +304,15 @@ _XML_END = "</parameter>"  # ends a value; the line break the template writes be
 _NL = "\n"
 
 
-def xml_params(tool: dict) -> list[tuple[str, dict, bool, str]]:
-    """(name, schema, required, "string" or "json") of each parameter of `tool` in XML calls;
-    ToolError for a `parameters` schema these calls cannot be held to."""
+def _listed_params(tool: dict, writes: str) -> tuple[str, dict, list]:
+    """("tool NAME", its properties, its required names) for formats whose calls name each
+    parameter (`writes`: how the template writes a call); ToolError for a schema that is not a
+    list of properties only, or that requires one it does not list."""
     fn = tool["function"]
     params, where = _arguments_schema(fn["parameters"]), f"tool {fn['name']!r}"
     extra = sorted(set(params) - _XML_OBJECT_KEYS)
     if extra or params.get("additionalProperties", False) is not False:
-        raise ToolError("tools", f"{where}: this model's template writes calls as <parameter=...> XML, which npllama "
+        raise ToolError("tools", f"{where}: this model's template writes calls as {writes}, which npllama "
                          f"holds to a schema of listed properties only; {extra or ['additionalProperties']} cannot "
                          f"be enforced there: drop them, or list every parameter under properties")
     props, required = params.get("properties", {}), params.get("required", [])
@@ -319,6 +320,13 @@ def xml_params(tool: dict) -> list[tuple[str, dict, bool, str]]:
     if missing:
         raise ToolError("tools", f"{where}: required parameters {missing} are not among its properties; list them "
                          f"under properties")
+    return where, props, required
+
+
+def xml_params(tool: dict) -> list[tuple[str, dict, bool, str]]:
+    """(name, schema, required, "string" or "json") of each parameter of `tool` in XML calls;
+    ToolError for a `parameters` schema these calls cannot be held to."""
+    where, props, required = _listed_params(tool, "<parameter=...> XML")
     out = []
     for name, prop in props.items():
         kind = _xml_kind(prop)
@@ -487,18 +495,7 @@ def pythonic_params(tool: dict) -> list[tuple[str, dict, bool]]:
     """(name, schema, required) of each parameter of `tool` in pythonic calls; ToolError for a
     `parameters` schema these calls cannot be held to (keyword arguments: listed properties only,
     each named as a Python identifier)."""
-    fn = tool["function"]
-    params, where = _arguments_schema(fn["parameters"]), f"tool {fn['name']!r}"
-    extra = sorted(set(params) - _XML_OBJECT_KEYS)
-    if extra or params.get("additionalProperties", False) is not False:
-        raise ToolError("tools", f"{where}: this model's template writes calls as name(p=value, ...), which npllama "
-                         f"holds to a schema of listed properties only; {extra or ['additionalProperties']} cannot "
-                         f"be enforced there: drop them, or list every parameter under properties")
-    props, required = params.get("properties", {}), params.get("required", [])
-    missing = [r for r in required if r not in props]
-    if missing:
-        raise ToolError("tools", f"{where}: required parameters {missing} are not among its properties; list them "
-                         f"under properties")
+    where, props, required = _listed_params(tool, "name(p=value, ...)")
     for name in props:
         if not name.isidentifier() or keyword.iskeyword(name):
             raise ToolError("tools", f"{where}: parameter {name!r} is not a Python identifier, and this model's template "
