@@ -370,11 +370,17 @@ class _Server:
             yield _sse(e.body())
             return
         state["finished"] = True
-        if gen.include_usage:
-            prompt_tokens = sum(len(ids) for ids in job.prompts)
-            yield _sse({"id": ident, "object": obj, "created": created, "model": self.model_id, "choices": [],
-                        "usage": P.usage(prompt_tokens, n_tokens)})
-        yield "data: [DONE]\n\n"
+        for line in self._closing(job, ident, obj, created, n_tokens):
+            yield line
+
+    def _closing(self, job: Job, ident: str, obj: str, created: int, n_tokens: int) -> list[str]:
+        """A stream's last SSE lines: the usage chunk where the request asked for it
+        (`stream_options.include_usage`), then [DONE]."""
+        lines = []
+        if job.params.include_usage:
+            lines.append(_sse({"id": ident, "object": obj, "created": created, "model": self.model_id, "choices": [],
+                               "usage": P.usage(sum(len(ids) for ids in job.prompts), n_tokens)}))
+        return lines + ["data: [DONE]\n\n"]
 
     async def _stream_tools(self, job: Job, ident: str, state: dict):
         """The SSE lines of a streamed answer with tools: each choice's text goes through its own
@@ -413,10 +419,8 @@ class _Server:
             yield _sse(e.body())
             return
         state["finished"] = True
-        if gen.include_usage:
-            yield _sse({"id": ident, "object": "chat.completion.chunk", "created": created, "model": self.model_id,
-                        "choices": [], "usage": P.usage(sum(len(ids) for ids in job.prompts), n_tokens)})
-        yield "data: [DONE]\n\n"
+        for line in self._closing(job, ident, "chat.completion.chunk", created, n_tokens):
+            yield line
 
     # ---- other routes ----
     async def call(self, fn):
