@@ -145,7 +145,8 @@ def install_out_of_line() -> bool:
         callee = _callee(library)
         calls = [callee] if callee is not None else calls_of(library)
         if calls:
-            self._npllama_calls = calls_of(self) + [c for c in calls if c not in calls_of(self)]
+            known = calls_of(self)
+            self._npllama_calls = known + [c for c in calls if c not in known]
         if callee is None:
             original(self, library)
         else:
